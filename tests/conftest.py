@@ -1,0 +1,86 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- data/ ---------------------------------------------------------------------------------
+# The data scripts import their siblings by plain name, as when run as `python data/x.py`.
+DATA_DIR = ROOT / "data"
+sys.path.insert(0, str(DATA_DIR))
+
+# The GPT-2 ranks beside the checkout keep tests fast and offline; data/cache is the project's
+# own copy once a script has fetched it. Both are checked by sha256 when loaded.
+RANKS_CANDIDATES = (ROOT.parent / "shared" / "fixtures" / "gpt2.tiktoken", DATA_DIR / "cache" / "gpt2.tiktoken")
+NO_RANKS = "no local gpt2.tiktoken (../shared/fixtures or data/cache); the network-marked test covers the fetch"
+
+
+def _ranks_file():
+    return next((p for p in RANKS_CANDIDATES if p.is_file()), None)
+
+
+def _refuse_online(name):
+    raise ConnectionError(f"tests do not download tiktoken's {name} files")
+
+
+@pytest.fixture
+def local_gpt2_ranks():
+    """Path of a local gpt2.tiktoken, or None."""
+    return _ranks_file()
+
+
+@pytest.fixture
+def gpt2_ranks_file(local_gpt2_ranks):
+    """Path of a local gpt2.tiktoken; skips the test when there is none."""
+    if local_gpt2_ranks is None:
+        pytest.skip(NO_RANKS)
+    return local_gpt2_ranks
+
+
+@pytest.fixture
+def no_tiktoken_download(monkeypatch):
+    """Make tiktoken's own download fail at once, so tests never leave 127.0.0.1."""
+    import tiktoken
+
+    monkeypatch.setattr(tiktoken, "get_encoding", _refuse_online)
+
+
+@pytest.fixture(scope="session")
+def gpt2_encoding():
+    """The GPT-2 Encoding built offline from a local ranks file (skips when there is none)."""
+    path = _ranks_file()
+    if path is None:
+        pytest.skip(NO_RANKS)
+    import gpt2_tokenizer
+    import tiktoken
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiktoken, "get_encoding", _refuse_online)
+        return gpt2_tokenizer.get_gpt2_encoding(path)
+
+
+# --- train_gpt.py ----------------------------------------------------------------------------
+sys.path.insert(0, str(ROOT))
+
+# A model and batch small enough that a step takes a fraction of a second on 2 cores; fp32 so
+# that comparisons between runs can be exact.
+TINY_RUN = ["--preset=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
+            "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--dtype=float32"]
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory):
+    """Learnable token shards: documents of Zipf-distributed tokens over a 1000-token vocabulary,
+    each starting with <|endoftext|>. Returns the --train_files/--val_files arguments."""
+    import numpy as np
+    import shards
+
+    folder = tmp_path_factory.mktemp("tiny_shards")
+    rng = np.random.default_rng(0)
+    for name, n in (("train", 60_000), ("val", 8_000)):
+        tokens = (rng.zipf(1.2, n) - 1) % 1000
+        tokens[rng.random(n) < 0.004] = 50256
+        tokens[0] = 50256
+        shards.write_shard(folder / f"tiny_{name}_000000.bin", tokens)
+    return [f"--train_files={folder}/tiny_train_*.bin", f"--val_files={folder}/tiny_val_*.bin"]

@@ -1,0 +1,360 @@
+"""tools/records.py, on logs of short real runs of train_gpt.py made here (plus edited copies of them)."""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "records.py"
+SEP = "=" * 100
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("records_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+records = _load_tool()
+
+# A model small enough that a run is mostly interpreter start-up; val_loss_every=1 gives a curve.
+TINY = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
+        "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--val_loss_every=1"]
+EDIT_SUFFIX = "  (edited by tests/test_records.py)"
+
+
+def _write_shard(path: Path, tokens: np.ndarray):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, len(tokens)]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def _known_edit(source: str) -> tuple[str, str]:
+    """A comment line that occurs once in the source, and the same line with a note appended."""
+    lines = source.splitlines()
+    old = next(line for line in lines if line.startswith("# ") and len(line) > 3 and lines.count(line) == 1)
+    return old, old + EDIT_SUFFIX
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Four real runs: base (seed 0), seed1 (seed 1, 4 steps), seed2 (seed 2) run the current
+    train_gpt.py; edited (seed 0) runs a copy whose one comment line differs."""
+    tmp = tmp_path_factory.mktemp("records_runs")
+    rng = np.random.default_rng(0)
+    for name, n in (("train", 50_000), ("val", 5_000)):
+        tokens = rng.integers(0, 50256, n)
+        tokens[rng.random(n) < 0.005] = 50256  # document separators
+        tokens[0] = 50256
+        _write_shard(tmp / f"tiny_{name}_000000.bin", tokens)
+
+    source = (ROOT / "train_gpt.py").read_text()
+    old, new = _known_edit(source)
+    edited_dir = tmp / "edited"
+    edited_dir.mkdir()
+    (edited_dir / "train_gpt.py").write_text(source.replace(old + "\n", new + "\n", 1))
+
+    logs = tmp / "logs"
+    data = [f"--train_files={tmp}/tiny_train_*.bin", f"--val_files={tmp}/tiny_val_*.bin", f"--log_dir={logs}"]
+    plan = {"base": ["--seed=0", "--num_iterations=3"], "seed1": ["--seed=1", "--num_iterations=4"],
+            "seed2": ["--seed=2", "--num_iterations=3"]}
+    # Importing train_gpt (torch, inductor) costs most of a tiny run, so the three runs of the current
+    # source share one process, calling train_gpt.main(argv) as its command line does; the edited copy
+    # runs beside it, one thread each.
+    driver = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport train_gpt\n"
+              "for argv in json.loads(sys.argv[2]):\n    train_gpt.main(argv)\n")
+    argvs = [[*TINY, *extra, *data, f"--run_id={run_id}"] for run_id, extra in plan.items()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="68719476736")
+    commands = {"current": [sys.executable, "-c", driver, str(ROOT), json.dumps(argvs)],
+                "edited": [sys.executable, str(edited_dir / "train_gpt.py"), *TINY, "--seed=0", "--num_iterations=3",
+                           *data, "--run_id=edited"]}
+    procs = {name: subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, cmd in commands.items()}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name} runs failed:\n{out[-3000:]}"
+    paths = {run_id: logs / f"{run_id}.txt" for run_id in [*plan, "edited"]}
+
+    # Edited copies for the error cases.
+    base_text = paths["base"].read_text()
+    paths["no_source"] = tmp / "no_source.txt"
+    paths["no_source"].write_text(base_text.split(SEP + "\n", 1)[1])
+    paths["truncated"] = tmp / "truncated.txt"  # stopped after step 1's validation
+    cut = base_text.index("\n", base_text.index("step:1/3 val_loss:")) + 1
+    paths["truncated"].write_text(base_text[:cut])
+    paths["fork"] = tmp / "fork.txt"  # another speedrun fork: no hyperparameters, extra fields, 2nd separator
+    body = base_text.split(SEP + "\n", 1)[1]
+    steps = [re.sub(r" train_time:", " mem:123MiB train_time:", line)
+             for line in body.splitlines() if line.startswith("step:")]
+    paths["fork"].write_text(base_text.split(SEP + "\n", 1)[0] + SEP + "\nRunning Python 3.12\nRunning PyTorch 2.9\n"
+                             "| NVIDIA H100 80GB HBM3 |\n" + SEP + "\n" + "\n".join(steps) + "\n")
+    return dict(paths=paths, tmp=tmp, old=old, new=new)
+
+
+def _changed(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
+
+
+def _sections(out: str) -> tuple[list[str], list[str]]:
+    """(source part, hyperparameters part) of diff's output."""
+    lines = out.splitlines()
+    split = next(i for i, line in enumerate(lines)
+                 if line.endswith("(hyperparameters)") or line.startswith(("hyperparameters are", "note: no hyper")))
+    return lines[:split], lines[split:]
+
+
+def _final(path: Path) -> tuple[float, int]:
+    """(val loss, train_time ms) of the last validation line, parsed without the tool."""
+    last = re.findall(r"^step:\d+/\d+ val_loss:(\S+) train_time:(\d+)ms", path.read_text(), re.M)[-1]
+    return float(last[0]), int(last[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# diff
+
+
+def test_diff_shows_exactly_the_known_edit(runs, capsys):
+    p = runs["paths"]
+    assert records.main(["diff", str(p["base"]), str(p["edited"])]) == 0
+    source, hparams = _sections(capsys.readouterr().out)
+    assert _changed(source) == ["-" + runs["old"], "+" + runs["new"]]
+    assert _changed(hparams) == ["-  run_id: 'base'", "+  run_id: 'edited'"]
+
+
+def test_diff_shows_changed_hyperparameters(runs, capsys):
+    p = runs["paths"]
+    assert records.main(["diff", str(p["base"]), str(p["seed1"])]) == 0
+    source, hparams = _sections(capsys.readouterr().out)
+    assert source[0].startswith("sources are identical")
+    assert sorted(_changed(hparams)) == sorted(["-  num_iterations: 3", "+  num_iterations: 4", "-  seed: 0",
+                                                "+  seed: 1", "-  run_id: 'base'", "+  run_id: 'seed1'"])
+
+
+def test_diff_colour_only_when_asked_or_on_a_terminal(runs, capsys):
+    p = runs["paths"]
+    records.main(["diff", str(p["base"]), str(p["edited"])])
+    assert "\033[" not in capsys.readouterr().out  # captured stdout is no terminal
+    records.main(["diff", str(p["base"]), str(p["edited"]), "--color", "always"])
+    out = capsys.readouterr().out
+    assert f"\033[31m-{runs['old']}\033[0m" in out and f"\033[32m+{runs['new']}\033[0m" in out
+    assert "\033[36m@@" in out
+
+
+def test_diff_of_a_log_without_source_is_a_clear_error(runs, capsys):
+    p = runs["paths"]
+    assert records.main(["diff", str(p["base"]), str(p["no_source"])]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and str(p["no_source"]) in err and "no embedded source" in err
+
+
+def test_diff_of_a_log_from_another_fork(runs, capsys):
+    p = runs["paths"]
+    assert records.main(["diff", str(p["base"]), str(p["fork"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sources are identical")
+    assert f"note: no hyperparameters block in {p['fork']}" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# stats
+
+
+def test_stats_matches_scipy(runs, capsys):
+    from scipy import stats
+
+    logs = [runs["paths"][k] for k in ("base", "seed1", "seed2")]
+    finals = [_final(path) for path in logs]
+    losses = [loss for loss, _ in finals]
+    target = 10.83
+    assert records.main(["stats", *map(str, logs), "--target", str(target)]) == 0
+    out = capsys.readouterr().out
+    for path, (loss, ms) in zip(logs, finals):
+        assert re.search(rf"^{path.stem}\s+{loss:.4f}\s+{ms}ms$", out, re.M), out
+
+    def printed(label):
+        return float(re.search(rf"^{label}: ([0-9.e+-]+)", out, re.M).group(1))
+
+    assert printed("n") == 3
+    assert printed("mean final val loss") == pytest.approx(np.mean(losses), abs=1e-6)
+    assert printed("std final val loss") == pytest.approx(np.std(losses, ddof=1), abs=1e-6)
+    p = stats.ttest_1samp(losses, target, alternative="less").pvalue
+    assert printed(r"p-value \(one-sided t-test that the mean is below the target\)") == pytest.approx(p, rel=1e-3)
+    assert printed("mean training time") == pytest.approx(np.mean([ms for _, ms in finals]), abs=0.05)
+
+
+def test_stats_with_one_run_has_no_p_value(runs, capsys):
+    assert records.main(["stats", str(runs["paths"]["base"]), "--target", "11"]) == 0
+    out = capsys.readouterr().out
+    assert "p-value (one-sided t-test that the mean is below the target): n/a (n=1" in out
+
+
+def test_stats_reads_other_forks_logs(runs, capsys):
+    p = runs["paths"]
+    assert records.main(["stats", str(p["fork"]), str(p["base"])]) == 0
+    out = capsys.readouterr().out
+    loss, ms = _final(p["base"])
+    assert re.search(rf"^fork\s+{loss:.4f}\s+{ms}ms$", out, re.M)
+    assert "n/a (no target" in out  # tiny shards in tmp: no track to take a target from
+
+
+# ------------------------------------------------------------------------------------------------
+# plot
+
+
+def test_plot_writes_a_png_of_the_requested_size(runs, tmp_path, capsys):
+    import matplotlib.image
+
+    p = runs["paths"]
+    out = tmp_path / "curves.png"
+    args = ["plot", str(p["base"]), str(p["seed1"]), str(p["edited"]), "-o", str(out), "--dpi", "40"]
+    assert records.main(args) == 0
+    image = matplotlib.image.imread(out)
+    assert image.shape[:2] == (round(records.FIGSIZE[1] * 40), round(records.FIGSIZE[0] * 40))
+    before = out.read_bytes()
+    assert records.main(args) == 2  # refuses to overwrite
+    assert "--force" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    assert records.main([*args, "--force"]) == 0
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["curves.png"]  # no temporary files left
+
+
+# ------------------------------------------------------------------------------------------------
+# check
+
+
+def test_check_against_the_current_train_gpt(runs, capsys):
+    p = runs["paths"]
+    assert records.main(["check", str(p["base"])]) == 0
+    assert "source is exactly" in capsys.readouterr().out
+    assert records.main(["check", str(p["edited"])]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert _changed(lines) == ["-" + runs["old"], "+" + runs["new"]]
+    assert records.main(["check", str(p["no_source"])]) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# submit and list
+
+
+def test_submit_refusals_create_nothing(runs, tmp_path, capsys):
+    p = runs["paths"]
+    recs = tmp_path / "records"
+    common = ["--track", "track_cpu", "--records-dir", str(recs), "--date", "2024-05-20"]
+    cases = {
+        "sources differ": [str(p["base"]), str(p["edited"]), "--name", "Mixed"],
+        "may hold only": [str(p["base"]), "--name", "bad name"],
+        "no embedded source": [str(p["no_source"]), "--name", "NoSource"],
+        "no final val loss": [str(p["truncated"]), "--name", "Truncated"],
+    }
+    for bad in ("../up", "a/b", "dot.name", "", "naïve"):
+        assert records.main(["submit", str(p["base"]), "--name", bad, *common]) == 2
+        assert "may hold only" in capsys.readouterr().err
+    for message, args in cases.items():
+        assert records.main(["submit", *args, *common]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+    assert records.main(["submit", str(p["base"]), "--name", "X", "--track", "track_9", "--records-dir", str(recs)]) == 2
+    assert "unknown track" in capsys.readouterr().err
+    assert not recs.exists()
+
+
+def test_submit_then_list(runs, tmp_path, capsys):
+    from scipy import stats
+
+    p = runs["paths"]
+    recs = tmp_path / "records"
+    logs = [p["base"], p["seed1"], p["seed2"]]
+    args = ["submit", *map(str, logs), "--track", "track_cpu", "--name", "Tiny_run-1", "--date", "2024-05-20",
+            "--records-dir", str(recs)]
+    assert records.main(args) == 0
+    folder = recs / "track_cpu" / "2024-05-20_Tiny_run-1"
+    assert sorted(x.name for x in folder.iterdir()) == ["README.md", "base.txt", "seed1.txt", "seed2.txt"]
+    for log in logs:
+        assert (folder / log.name).read_bytes() == log.read_bytes()
+    readme = (folder / "README.md").read_text()
+    losses = [_final(log)[0] for log in logs]
+    pvalue = stats.ttest_1samp(losses, records.CPU_TARGET, alternative="less").pvalue
+    assert "## What changed\n\nTODO: describe the change" in readme
+    assert "This is the first record of this track." in readme
+    assert f"mean final val loss: {np.mean(losses):.4f}" in readme
+    assert f"{pvalue:.4g}" in readme
+    assert "--preset cpu" in readme and "--num_layers=2" in readme and "--run_id" not in readme
+    assert "`--seed`: 0, 1, 2" in readme and "`--num_iterations`: 3, 4, 3" in readme
+    assert "CPU:" in readme  # the hardware line
+    assert sorted(x.name for x in (recs / "track_cpu").iterdir()) == [folder.name]  # no temporary folder left
+    capsys.readouterr()
+
+    assert records.main(args) == 2  # the folder exists
+    assert "exists" in capsys.readouterr().err
+
+    # A later record whose source differs by the known edit: its README counts the change.
+    assert records.main(["submit", str(p["edited"]), "--track", "track_cpu", "--name", "Edited",
+                         "--date", "2024-06-01", "--records-dir", str(recs)]) == 0
+    later = (recs / "track_cpu" / "2024-06-01_Edited" / "README.md").read_text()
+    assert "records/track_cpu/2024-05-20_Tiny_run-1`: train_gpt.py, 1 insertion(s)(+), 1 deletion(s)(-)" in later
+    capsys.readouterr()
+
+    assert records.main(["list", "--records-dir", str(recs)]) == 0
+    out = capsys.readouterr().out
+    assert "track_1_short" in out and "(no records yet)" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d{4}-\d{2}-\d{2}\s", line)]
+    assert [row[:2] for row in rows] == [["2024-06-01", "Edited"], ["2024-05-20", "Tiny_run-1"]]  # newest first
+    assert rows[1][4] == f"{np.mean(losses):.4f}" and rows[1][5] == "3" and rows[1][6] == f"{pvalue:.4g}"
+
+    # stats takes the target from the records/<track>/ path; diff takes a folder's first log.
+    assert records.main(["stats", str(folder)]) == 0
+    assert f"target: {records.CPU_TARGET:g} (track_cpu, from the path)" in capsys.readouterr().out
+    assert records.main(["diff", str(folder), str(recs / "track_cpu" / "2024-06-01_Edited")]) == 0
+    source, _ = _sections(capsys.readouterr().out)
+    assert _changed(source) == ["-" + runs["old"], "+" + runs["new"]]
+
+
+def test_list_of_empty_records(tmp_path, capsys):
+    assert records.main(["list", "track_cpu", "--records-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "  (no records yet)"
+    assert records.main(["list", "track_nope", "--records-dir", str(tmp_path)]) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# the script itself
+
+
+def test_script_runs_and_light_commands_import_neither_scipy_nor_matplotlib(runs, tmp_path):
+    p = runs["paths"]
+    done = subprocess.run([sys.executable, str(TOOL), "list", "--records-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "(no records yet)" in done.stdout
+    probe = ("import importlib.util, sys\n"
+             "spec = importlib.util.spec_from_file_location('r', sys.argv[1])\n"
+             "m = importlib.util.module_from_spec(spec); sys.modules['r'] = m; spec.loader.exec_module(m)\n"
+             "for argv in (['diff', sys.argv[2], sys.argv[3]], ['check', sys.argv[2]], ['list', '--records-dir', sys.argv[4]]):\n"
+             "    assert m.main(argv) in (0, 1)\n"
+             "print('heavy:', [k for k in ('scipy', 'matplotlib', 'numpy', 'torch') if k in sys.modules])\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(TOOL), str(p["base"]), str(p["edited"]), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "heavy: []"
+
+
+def test_help_and_usage_errors(capsys):
+    assert records.main(["--help"]) == 0
+    assert "submit" in capsys.readouterr().out
+    assert records.main(["frobnicate"]) == 2
+    assert records.main(["plot", "x.txt"]) == 2  # -o is required
+    assert records.main(["stats", "/nonexistent/log.txt"]) == 2
+    assert "no such log file" in capsys.readouterr().err
+    assert not math.isnan(records.TRACKS["track_1_short"].target)

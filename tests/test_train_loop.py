@@ -1,0 +1,179 @@
+"""The training loop of train_gpt.py, run for real on tiny shards: learning, self-logging, resume,
+warm-up restore, errors."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_RUN
+
+import train_gpt
+
+SOURCE = (ROOT / "train_gpt.py").read_text()
+
+
+def run(tiny_shards, tmp_path, *extra, run_id="run"):
+    argv = [*TINY_RUN, *tiny_shards, f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}",
+            f"--run_id={run_id}", *extra]
+    return train_gpt.main(argv)
+
+
+def test_a_few_steps_learn(tiny_shards, tmp_path):
+    result = run(tiny_shards, tmp_path, "--num_iterations=8", "--val_loss_every=8")
+    val, train = result["val_losses"], result["train_losses"]
+    assert abs(val[0] - math.log(50304)) < 1e-4  # zero-initialized lm_head: uniform over the padded vocab
+    assert train[8] < train[1] - 2.0
+    assert val[8] < val[0] - 2.0
+    assert result["unigram_entropy"] < val[0]
+
+
+def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET_must_not_be_logged")
+    result = run(tiny_shards, tmp_path, "--num_iterations=2")
+    text = Path(result["log_path"]).read_text()
+    assert text.startswith(SOURCE + "=" * 100 + "\n")
+    header = text[len(SOURCE):]
+    assert "hf_SECRET" not in text
+    assert f"python {sys.version.split()[0]} | torch {torch.__version__}" in header
+    assert "hardware: 1x CPU" in header
+    for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
+                 "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
+                 "  compile: off (--compile=false)", "  dtype: float32", "  num_iterations: 2", "  seq_len: 128"):
+        assert line in header, line
+    assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
+
+
+def test_resume_is_bitwise_identical(tiny_shards, tmp_path):
+    common = ["--num_iterations=6", "--val_loss_every=3", "--train_loss_every=1", "--save_checkpoint"]
+    full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=3", run_id="full")
+    halfway = tmp_path / "ckpt" / "full" / "step_000003.pt"
+    assert halfway in full["checkpoints"] and halfway.exists()
+    resumed = run(tiny_shards, tmp_path, *common, f"--resume={halfway}", run_id="resumed")
+    for step in (4, 5, 6):
+        assert resumed["train_losses"][step] == full["train_losses"][step]
+    assert resumed["val_losses"] == {3: full["val_losses"][3], 6: full["val_losses"][6]}
+    end_full = torch.load(tmp_path / "ckpt" / "full" / "step_000006.pt", weights_only=True)
+    end_resumed = torch.load(tmp_path / "ckpt" / "resumed" / "step_000006.pt", weights_only=True)
+    assert end_full["data"] == end_resumed["data"]
+    for name, tensor in end_full["model"].items():
+        assert torch.equal(tensor, end_resumed["model"][name]), name
+    assert not list((tmp_path / "ckpt").rglob("*.tmp"))
+
+
+def test_resume_refuses_another_configuration(tiny_shards, tmp_path):
+    first = run(tiny_shards, tmp_path, "--num_iterations=2", "--save_checkpoint", run_id="first")
+    with pytest.raises(train_gpt.ConfigError, match=r"model_dim \(checkpoint 64, now 128\).*muon_lr"):
+        run(tiny_shards, tmp_path, "--num_iterations=2", "--model_dim=128", "--muon_lr=0.01",
+            f"--resume={first['checkpoints'][-1]}", run_id="second")
+
+
+def test_compile_warmup_restores_the_initial_state(tiny_shards, tmp_path):
+    """Warm-up steps train on random tokens; afterwards the run must be the run without them."""
+    plain = run(tiny_shards, tmp_path, "--num_iterations=3", "--val_loss_every=1", run_id="plain")
+    warmed = run(tiny_shards, tmp_path, "--num_iterations=3", "--val_loss_every=1", "--warmup_steps=2", run_id="warmed")
+    assert warmed["val_losses"] == plain["val_losses"]
+    assert warmed["train_losses"] == plain["train_losses"]
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step(tiny_shards, tmp_path, monkeypatch):
+    forward, calls = train_gpt.GPT.forward, []
+
+    def nan_from_the_fourth_training_call(self, *args):
+        loss = forward(self, *args)
+        calls.extend([1] if self.training else [])
+        return loss * math.nan if len(calls) >= 4 else loss
+
+    monkeypatch.setattr(train_gpt.GPT, "forward", nan_from_the_fourth_training_call)
+    # batch_slots=2: two forward passes per step, so the 4th is the second step's (logged as step:2)
+    with pytest.raises(FloatingPointError, match="non-finite at step 2"):
+        run(tiny_shards, tmp_path, "--num_iterations=5")
+
+
+def test_each_optimizer_group_gets_its_lr():
+    """Adam's first step moves every parameter by exactly lr * sign(grad), so each group's lr shows."""
+    args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)
+    model = train_gpt.GPT(args.vocab_size, 2, 1, 64, 64, 128)
+    adam, muon = train_gpt.build_optimizers(model, args)
+    groups = {tuple(map(id, g["params"])): g["lr"] for g in adam.param_groups}
+    assert groups == {(id(model.lm_head.weight),): args.head_lr,
+                      tuple(id(t.weight) for t in [model.embed, *model.value_embeds]): args.embed_lr,
+                      (id(model.scalars),): args.scalar_lr}
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == \
+        {id(p) for p in model.blocks.parameters() if p.ndim >= 2}
+    before = {p: p.detach().clone() for g in adam.param_groups for p in g["params"]}
+    for p in before:
+        p.grad = torch.randn_like(p).sign() * (1 + torch.rand_like(p))  # |grad| >= 1: eps is negligible
+    adam.step()
+    for group in adam.param_groups:
+        for p in group["params"]:
+            torch.testing.assert_close(before[p] - p.detach(), group["lr"] * p.grad.sign(), rtol=1e-5, atol=1e-7)
+
+
+def test_ranks_split_the_same_global_batch(tiny_shards):
+    """Whatever the world size, one step's slots are the same consecutive token windows."""
+    pattern = tiny_shards[0].split("=", 1)[1]
+    one = train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu")).next_batch(0, 1)
+    streams = [train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu")) for _ in range(2)]
+    two = [s.next_batch(rank, 2) for rank, s in enumerate(streams)]
+    slots = {slot: mb for rank in range(2) for slot, mb in zip(range(rank, 4, 2), two[rank])}
+    for slot, (inputs, targets) in enumerate(one):
+        assert torch.equal(inputs, slots[slot][0]) and torch.equal(targets, slots[slot][1])
+        assert torch.equal(inputs[1:].long(), targets[:-1])
+    assert torch.equal(one[1][0][0].long(), one[0][1][-1])  # slot 1 starts where slot 0's targets end
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nope=1"], "unknown hyperparameter 'nope'; valid ones: train_files, "),
+    (["--preset=gpu"], "unknown preset 'gpu'; valid presets: record, cpu"),
+    (["--seq_len=abc"], "--seq_len=abc: expected an integer"),
+    (["--compile=maybe"], "--compile=maybe: expected true or false"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_bad_overrides_are_refused(argv, message):
+    with pytest.raises(train_gpt.ConfigError) as error:
+        train_gpt.parse_args(argv, "cpu")
+    assert message in str(error.value)
+
+
+def test_overrides_and_flags_parse():
+    args, preset = train_gpt.parse_args(["--preset", "record", "--seq_len=1024", "--save_checkpoint",
+                                         "--resume", "x.pt", "--muon_lr=0.1"], "cpu")
+    assert preset == "record" and args.seq_len == 1024 and args.save_checkpoint is True
+    assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 12
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq_len=100"], "seq_len=100 must be a positive multiple of 128"),
+    (["--val_seq_len=200"], "val_seq_len=200 must be a positive multiple of 128"),
+    (["--num_layers=3"], "num_layers=3 must be an even number"),
+    (["--val_tokens=1000"], "val_tokens=1000 must be a positive multiple of val_seq_len"),
+])
+def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
+    with pytest.raises(train_gpt.ConfigError, match=message):
+        run(tiny_shards, tmp_path, *extra)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_missing_data_is_a_clear_error(tmp_path):
+    with pytest.raises(train_gpt.DataError, match="no train shards match '/nonexistent/x_\\*.bin'"):
+        train_gpt.main([*TINY_RUN, "--train_files=/nonexistent/x_*.bin", f"--log_dir={tmp_path}"])
+
+
+def test_command_line_errors_are_one_line_and_exit_non_zero(tmp_path):
+    env = dict(os.environ, PYTHONPATH="")
+    proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset=cpu", "--seq_len=1000"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: seq_len=1000 must be a positive multiple of 128 (the attention block size)"]
+
+
+def test_import_is_silent():
+    proc = subprocess.run([sys.executable, "-c", "import train_gpt"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""

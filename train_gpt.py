@@ -1,0 +1,1183 @@
+"""GPT-2 speedrun training script: one self-logging file, from one CPU core to 8xH100.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt.py            # the record preset on 8 GPUs
+    python train_gpt.py --preset cpu --num_iterations=50              # anywhere
+    python train_gpt.py --help                                        # presets and every hyperparameter
+
+Sections, in the order data flows: setup and logging, FP8 custom ops, optimizers, model and
+gradient synchronization, data, hyperparameters, training loop.
+"""
+
+# ------------------------------------------------------------------------------------------------
+# Setup and logging
+
+import copy
+import dataclasses
+import datetime
+import functools
+import glob
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+SEPARATOR = "=" * 100  # ends the logged source; tools/records.py splits logs on it
+
+
+class RunLog:
+    """Rank 0 writes logs/<run_id>.txt and flushes every line; other ranks write nothing."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "x")  # "x": never overwrite another run's log
+
+    def __call__(self, message: str, console: bool = True):
+        if self.file is None:
+            return
+        if console:
+            print(message, flush=True)
+        self.file.write(message + "\n")
+        self.file.flush()
+
+    def write_source(self, source: str):
+        if self.file is not None:
+            self.file.write(source if source.endswith("\n") else source + "\n")
+            self.file.write(SEPARATOR + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def describe_hardware(device: torch.device, world_size: int) -> tuple[str, str]:
+    """A one-line summary that compares across runs, and details (nvidia-smi on CUDA)."""
+    if device.type == "cuda":
+        summary = f"{world_size}x {torch.cuda.get_device_name(device)}"
+        try:
+            return summary, subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return summary, f"nvidia-smi unavailable: {e}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{world_size}x CPU {model}, {os.cpu_count()} logical cores, "
+            f"torch uses {torch.get_num_threads()} threads per process"), ""
+
+
+def peak_memory_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    # ru_maxrss is in KiB on Linux
+    return f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 matmul as custom ops (used for the lm_head)
+#
+# Forward: x and w are scaled into float8_e4m3fn and multiplied by torch._scaled_mm into bf16; the
+# fp8 copies are saved for backward. Backward: the incoming gradient is scaled into float8_e5m2;
+# grad_x comes out in bf16, grad_w in fp32. Each scale maps the largest value an operand can take
+# onto its format's largest finite value, so nothing overflows and little range is wasted.
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344
+LOGIT_SOFTCAP = 30.0  # logits = LOGIT_SOFTCAP * sigmoid(z / (LOGIT_SOFTCAP_SPREAD * sqrt(width)))
+LOGIT_SOFTCAP_SPREAD = 7.5
+LM_HEAD_WEIGHT_BOUND = 24.0  # the record's bound on |lm_head weight|: w_s = 24/448
+
+
+def lm_head_fp8_scales(model_dim: int) -> tuple[float, float, float]:
+    # x is RMS-normed, so every element is at most sqrt(width) in magnitude.
+    x_scale = model_dim**0.5 / E4M3_MAX
+    w_scale = LM_HEAD_WEIGHT_BOUND / E4M3_MAX
+    # The gradient reaching the matmul output z is dCE/dlogit * dlogit/dz. Cross-entropy gives at
+    # most 1 per element (summed loss, divided by the accumulation steps), and the softcap's slope
+    # is at most LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * sqrt(width)) = 1/sqrt(width). We map that
+    # bound onto e5m2's max (57344) instead of the record's 1/448, which left ~12 binades unused at
+    # the top and flushed gradients below ~3e-8 to zero; here they survive down to ~1e-11.
+    grad_bound = LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * model_dim**0.5)
+    grad_scale = grad_bound / E5M2_MAX
+    return x_scale, w_scale, grad_scale
+
+
+def _fp8_forward(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
+                           scale_b=x.new_tensor(w_s, dtype=torch.float32))
+    return out, x_f8, w_f8
+
+
+def _fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    scale = lambda s: g.new_tensor(s, dtype=torch.float32)
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    # _scaled_mm wants its first operand row-major and its second column-major
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=scale(grad_s), scale_b=scale(w_s))
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=scale(x_s), scale_b=scale(grad_s)).T
+    return grad_x, grad_w
+
+
+@functools.cache
+def _fused(fn):
+    """On CUDA the scaling and casts are compiled so they fuse (made on first use: importing stays cheap)."""
+    return torch.compile(fn, dynamic=False)
+
+
+@torch.library.custom_op("nanogpt::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T in FP8 -> (bf16 result, x in e4m3, w in e4m3). x: (N, in), w: (out, in)."""
+    return (_fused(_fp8_forward) if x.is_cuda else _fp8_forward)(x, w, x_s, w_s)
+
+
+@fp8_mm.register_fake
+def _(x, w, x_s, w_s, grad_s):
+    # The real op always returns bf16, whatever the input dtype; the fake must agree.
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("nanogpt::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm: (grad_x in bf16, grad_w in fp32)."""
+    return (_fused(_fp8_backward) if g.is_cuda else _fp8_backward)(g, x_f8, w_f8, x_s, w_s, grad_s)
+
+
+@fp8_mm_backward.register_fake
+def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.set_materialize_grads(False)
+
+
+def _fp8_mm_autograd_backward(ctx, grad_out, *_):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.nanogpt.fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_autograd_backward, setup_context=_fp8_mm_setup_context)
+
+
+def fp8_supported(device: torch.device) -> tuple[bool, str]:
+    """FP8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper and newer)."""
+    if device.type != "cuda":
+        return False, f"needs CUDA compute capability >= 8.9; this device is {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, f"needs CUDA compute capability >= 8.9; this GPU has {major}.{minor}"
+    return True, f"compute capability {major}.{minor}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizers: Muon for hidden matrices, Adam (torch's) for everything else
+
+# Polar Express (arXiv 2505.16932), 5 iterations, safety factor 2e-2, cushion 2: one (a, b, c) per
+# iteration of X <- a*X + (b*A + c*A^2)*X with A = X*X^T.
+POLAR_EXPRESS_COEFFS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+POLAR_EXPRESS_SAFETY = 2e-2
+NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic; the same for every iteration
+ORTHOGONALIZATION_STEPS = 5
+ORTHOGONALIZERS = ("polar_express", "newton_schulz")
+
+
+def orthogonalize(G: Tensor, method: str = "polar_express") -> Tensor:
+    """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor), in bf16."""
+    X = G.bfloat16()
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:  # iterate on the smaller Gram matrix
+        X = X.mT
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    if method == "polar_express":
+        X = X / (norm * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
+        coeffs = POLAR_EXPRESS_COEFFS
+    elif method == "newton_schulz":
+        X = X / (norm + 1e-7)
+        coeffs = [NEWTON_SCHULZ_COEFFS] * ORTHOGONALIZATION_STEPS
+    else:
+        raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if transposed else X
+
+
+class Muon(torch.optim.Optimizer):
+    """Nesterov momentum, then orthogonalization, for hidden weight matrices (..., rows, cols).
+
+    Parameters of one shape form a group. Every rank keeps momentum for every parameter (cheap, and
+    checkpoints do not depend on the world size), but each rank orthogonalizes only its share of
+    each group, as one batch, and the shares are all-gathered, so every rank applies the same
+    update. A single process is world size 1: the same code with no communication.
+    """
+
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True,
+                 method: str = "polar_express", rank: int = 0, world_size: int = 1):
+        if method not in ORTHOGONALIZERS:
+            raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
+        params = list(params)
+        shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
+        groups = [dict(params=[p for p in params if tuple(p.shape) == s]) for s in shapes]
+        super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov))
+        self.method, self.rank, self.world_size = method, rank, world_size
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, momentum = group["params"], group["momentum"]
+            for p in params:
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - momentum)
+            share = -(-len(params) // self.world_size)
+            mine = params[self.rank * share:(self.rank + 1) * share]
+            local = params[0].new_zeros((share, *params[0].shape), dtype=torch.bfloat16)
+            if mine:
+                bufs = [self.state[p]["momentum_buffer"] for p in mine]
+                grads = [p.grad.lerp(b, momentum) for p, b in zip(mine, bufs)] if group["nesterov"] else bufs
+                local[:len(mine)] = orthogonalize(torch.stack(grads), self.method)
+            if self.world_size > 1:
+                updates = local.new_empty((share * self.world_size, *local.shape[1:]))
+                dist.all_gather_into_tensor(updates, local)
+            else:
+                updates = local
+            rows, cols = params[0].shape[-2:]
+            step_size = group["lr"] * max(1.0, rows / cols) ** 0.5
+            for p, update in zip(params, updates):
+                p.add_(update.to(p.dtype), alpha=-step_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model
+
+BLOCK_SIZE = 128  # FlexAttention block; sequence lengths and windows are counted in these
+EOT_TOKEN = 50256  # <|endoftext|> starts every document in the shards
+
+
+def next_multiple(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class CastedLinear(nn.Linear):
+    """A bias-free linear layer with fp32 weights cast to the activations' dtype, or the FP8 matmul."""
+
+    def __init__(self, in_features: int, out_features: int, fp8_scales: tuple[float, float, float] | None = None):
+        super().__init__(in_features, out_features, bias=False)
+        self.fp8_scales = fp8_scales
+        self.use_fp8 = False  # switched on by the training script where the device supports it
+
+    def reset_parameters(self):
+        bound = 3**0.5 * 0.5 * self.in_features**-0.5  # uniform with std 0.5 / sqrt(fan_in)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.use_fp8 and self.training:
+            out = fp8_mm(x.flatten(0, -2), self.weight, *self.fp8_scales)[0]
+            return out.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight.type_as(x))
+
+
+class Rotary(nn.Module):
+    """Rotary embedding on half of each head's dims; the other half carries no position."""
+
+    def __init__(self, head_dim: int, max_seq_len: int):
+        super().__init__()
+        freqs = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
+        freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.cos = nn.Buffer(theta.cos(), persistent=False)
+        self.sin = nn.Buffer(theta.sin(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, H, D)
+        cos, sin = self.cos[None, :x.size(-3), None, :], self.sin[None, :x.size(-3), None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+
+
+def document_causal_blocks(tokens: Tensor):
+    """Block structure of a document-causal mask over a 1-D token sequence.
+
+    Documents start at EOT_TOKEN. For query block i and kv block j, a block is full when every pair
+    may attend (strictly earlier, one shared document) and partial when only some may (the causal
+    diagonal, or a document edge). Returns (docs, partial_num, partial_idx, full_num, full_idx);
+    indices list each row's blocks most recent first, so keeping the first k keeps the newest.
+    """
+    num_blocks = tokens.numel() // BLOCK_SIZE
+    docs = (tokens == EOT_TOKEN).cumsum(0)
+    first, last = docs.view(num_blocks, BLOCK_SIZE)[:, 0], docs.view(num_blocks, BLOCK_SIZE)[:, -1]
+    blocks = torch.arange(num_blocks, device=tokens.device)
+    any_pair = (blocks[:, None] >= blocks) & (first[:, None] <= last) & (last[:, None] >= first)
+    all_pairs = (blocks[:, None] > blocks) & (first[:, None] == last) & (last[:, None] == first)
+    partial = any_pair & ~all_pairs
+
+    def newest_first(mask):
+        order = torch.argsort(torch.where(mask, blocks + 1, 0), dim=-1, descending=True, stable=True)
+        return mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    return (docs, *newest_first(partial), *newest_first(all_pairs))
+
+
+def window_block_counts(partial_num: Tensor, full_num: Tensor, window_blocks) -> tuple[Tensor, Tensor]:
+    """Keep the newest window_blocks kv blocks: full ones up to window-1, partial ones what remains (>= 1)."""
+    full_kept = torch.clamp_max(full_num, window_blocks - 1)
+    partial_kept = torch.clamp_max(partial_num, torch.clamp_min(window_blocks - full_num, 1))
+    return partial_kept, full_kept
+
+
+def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
+    """The long- and short-window masks of one sequence (short: half as many blocks, at least one):
+    FlexAttention BlockMasks for backend "flex", dense boolean (T, T) masks with exactly the same
+    pairs for backend "sdpa"."""
+    docs, partial_num, partial_idx, full_num, full_idx = document_causal_blocks(tokens)
+    window_blocks = torch.as_tensor(window_blocks, dtype=torch.int32, device=tokens.device)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+
+    def build(window):
+        partial_kept, full_kept = window_block_counts(partial_num, full_num, window)
+        if backend == "flex":
+            return BlockMask.from_kv_blocks(partial_kept[None, None], partial_idx[None, None],
+                                            full_kept[None, None], full_idx[None, None],
+                                            BLOCK_SIZE=BLOCK_SIZE, mask_mod=document_causal)
+        slot = torch.arange(partial_idx.size(-1), device=tokens.device)
+        block_allowed = torch.zeros_like(partial_idx, dtype=torch.bool)
+        block_allowed.scatter_(1, partial_idx.long(), slot < partial_kept[:, None])
+        block_allowed |= torch.zeros_like(block_allowed).scatter_(1, full_idx.long(), slot < full_kept[:, None])
+        allowed = block_allowed.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
+        pos = torch.arange(tokens.numel(), device=tokens.device)
+        return allowed & document_causal(None, None, pos[:, None], pos[None, :])
+
+    return build(window_blocks), build(torch.clamp_min(window_blocks // 2, 1))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
+    """Attention over (B, H, T, D) with a mask from attention_masks()."""
+    if isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+ATTENTION_SCALE = 0.12  # the record's fixed softmax scale (QK-normed, so no 1/sqrt(d))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        hidden = num_heads * head_dim
+        bound = 3**0.5 * 0.5 * model_dim**-0.5
+        self.qkv_w = nn.Parameter(torch.empty(3, hidden, model_dim).uniform_(-bound, bound))
+        self.rotary = Rotary(head_dim, max_seq_len)
+        self.c_proj = CastedLinear(hidden, model_dim)
+        self.c_proj.weight.detach().zero_()
+
+    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask) -> Tensor:
+        B, T = x.size(0), x.size(1)
+        qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
+        q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
+        q, k = self.rotary(norm(q)), self.rotary(norm(k))
+        v = lambdas[0] * v if ve is None else lambdas[0] * v + lambdas[1] * ve.view_as(v)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, ATTENTION_SCALE)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, model_dim: int):
+        super().__init__()
+        self.c_fc = CastedLinear(model_dim, 4 * model_dim)
+        self.c_proj = CastedLinear(4 * model_dim, model_dim)
+        self.c_proj.weight.detach().zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool):
+        super().__init__()
+        self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len) if has_attention else None
+        self.mlp = MLP(model_dim)
+
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor) -> Tensor:
+        x = lambdas[0] * x + lambdas[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(norm(x), ve, attn_lambdas, mask)
+        return x + self.mlp(norm(x))
+
+
+def value_embedding_layout(num_layers: int) -> list[int | None]:
+    """Which value-embedding table each layer mixes into v: tables 0, 1, 2 on the first three layers
+    and again on the last three (fewer when shallow, always leaving two middle layers without)."""
+    tables = min(3, (num_layers - 2) // 2)
+    layout = [None] * num_layers
+    for t in range(tables):
+        layout[t] = layout[num_layers - tables + t] = t
+    return layout
+
+
+def attention_free_layer(num_layers: int) -> int:
+    """The layer without attention: the second decoder layer (7 of 12, as in the record), moved
+    earlier when that layer has a value embedding, whose only use is attention."""
+    tables = sum(t is not None for t in value_embedding_layout(num_layers)) // 2
+    return min(num_layers // 2 + 1, num_layers - tables - 1)
+
+
+def long_window_layers(num_layers: int) -> list[bool]:
+    """Every fourth encoder layer from the first uses the long window, mirrored in the decoder
+    (12 layers: long at 0, 4, 7, 11; the rest short)."""
+    return [min(i, num_layers - 1 - i) % 4 == 0 for i in range(num_layers)]
+
+
+class GPT(nn.Module):
+    """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
+    order in which gradients become ready in backward (the bucketing relies on it)."""
+
+    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
+                 max_seq_len: int, attention_backend: str = "sdpa"):
+        super().__init__()
+        if num_layers < 2 or num_layers % 2:
+            raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
+        self.num_layers = num_layers
+        self.attention_backend = attention_backend
+        self.ve_layout = value_embedding_layout(num_layers)
+        self.long_window = long_window_layers(num_layers)
+        no_attention = attention_free_layer(num_layers)
+        self.embed = nn.Embedding(vocab_size, model_dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim)
+                                          for _ in range(sum(t is not None for t in self.ve_layout) // 2))
+        # One parameter for all scalars (one Adam tensor): U-net skip weights, then per layer the
+        # (stream, x0) mixing lambdas, then per layer the (v, value embedding) lambdas.
+        self.scalars = nn.Parameter(torch.cat([
+            torch.ones(num_layers // 2),
+            torch.tensor([1.0, 0.0]).repeat(num_layers),
+            torch.tensor([0.5, 0.5]).repeat(num_layers),
+        ]))
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention)
+                                    for i in range(num_layers))
+        self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128), lm_head_fp8_scales(model_dim))
+        self.lm_head.weight.detach().zero_()
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
+        """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean."""
+        L = self.num_layers
+        skip_weights = self.scalars[:L // 2]
+        lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
+        attn_lambdas = self.scalars[L // 2 + 2 * L:].view(L, 2)
+        long_mask, short_mask = attention_masks(input_seq, window_blocks, self.attention_backend)
+        ve = [table(input_seq)[None] for table in self.value_embeds]
+        x = x0 = norm(self.embed(input_seq)[None])
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if i >= L // 2:
+                x = x + skip_weights[i - L // 2] * skips.pop()
+            layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
+            x = block(x, x0, layer_ve, long_mask if self.long_window[i] else short_mask, lambdas[i], attn_lambdas[i])
+            if i < L // 2:
+                skips.append(x)
+        logits = self.lm_head(norm(x)).float()
+        logits = LOGIT_SOFTCAP * torch.sigmoid(logits / (LOGIT_SOFTCAP_SPREAD * x.size(-1) ** 0.5))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq,
+                               reduction="sum" if self.training else "mean")
+
+
+class GradientBuckets:
+    """All-reduce (average) of gradients in buckets of about bucket_bytes, overlapped with backward.
+
+    Parameters are packed in the order their gradients become ready; a bucket closes when full or
+    when the dtype changes (a bucket is one flat buffer). On the last micro-step of an optimizer
+    step, each parameter's post-accumulate-grad hook counts its bucket's ready gradients, and the
+    hook completing a bucket launches its async all-reduce. Earlier micro-steps only accumulate.
+    wait_for_gradients() waits for every bucket, copies the averages back and resets the counts.
+    """
+
+    def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int):
+        self.buckets: list[list[nn.Parameter]] = []
+        size, dtype = bucket_bytes, None
+        for p in params_in_ready_order:
+            if size >= bucket_bytes or p.dtype != dtype:
+                self.buckets.append([])
+                size, dtype = 0, p.dtype
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.flat = [torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                     if len(bucket) > 1 else None for bucket in self.buckets]
+        self.ready = [0] * len(self.buckets)
+        self.handles = [None] * len(self.buckets)
+        self.reductions = [0] * len(self.buckets)  # all-reduces launched per bucket over the run
+        self.steps = 0  # optimizer steps synchronized
+        self.last_micro_step = True
+        for p in params_in_ready_order:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def bucket_bytes(self) -> list[int]:
+        return [sum(p.numel() * p.element_size() for p in bucket) for bucket in self.buckets]
+
+    def _on_grad_ready(self, p: nn.Parameter):
+        if not self.last_micro_step:
+            return
+        b = self.bucket_of[p]
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b]):
+            if self.handles[b] is not None:
+                raise RuntimeError(f"gradient bucket {b} completed twice in one step")
+            if self.flat[b] is None:
+                tensor = p.grad
+            else:
+                tensor = self.flat[b]
+                torch.cat([q.grad.view(-1) for q in self.buckets[b]], out=tensor)
+            self.handles[b] = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+            self.reductions[b] += 1
+
+    def wait_for_gradients(self):
+        for b, handle in enumerate(self.handles):
+            if handle is None:
+                raise RuntimeError(f"gradient bucket {b} was not reduced: {len(self.buckets[b]) - self.ready[b]} "
+                                   f"of its {len(self.buckets[b])} parameters got no gradient this step")
+            handle.wait()
+            if self.flat[b] is not None:
+                offset = 0
+                for p in self.buckets[b]:
+                    p.grad.view(-1).copy_(self.flat[b][offset:offset + p.numel()])
+                    offset += p.numel()
+        self.ready = [0] * len(self.buckets)
+        self.handles = [None] * len(self.buckets)
+        self.steps += 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: shards of the llm.c format (256 int32 header: magic, version, token count; then uint16)
+
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+
+
+class DataError(ValueError):
+    pass
+
+
+def load_shard(path: Path, pin_memory: bool = False) -> Tensor:
+    """All tokens of one shard, validated, as a uint16 tensor."""
+    size = path.stat().st_size
+    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+    if header.size < SHARD_HEADER_INTS:
+        raise DataError(f"{path}: {size} bytes is shorter than the {4 * SHARD_HEADER_INTS}-byte shard header")
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
+        raise DataError(f"{path}: header says {num_tokens} tokens but the file holds "
+                        f"{(size - 4 * SHARD_HEADER_INTS) / 2:g}; the file is truncated or corrupt")
+    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=pin_memory)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(4 * SHARD_HEADER_INTS)
+        f.readinto(tokens.numpy())
+    return tokens
+
+
+def shard_paths(pattern: str, what: str) -> list[Path]:
+    paths = [Path(p) for p in sorted(glob.glob(pattern))]
+    if not paths:
+        raise DataError(f"no {what} shards match {pattern!r} (run ./run.sh to fetch or build the data, "
+                        f"or pass --{what}_files=GLOB)")
+    return paths
+
+
+class TokenStream:
+    """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets)
+    taken consecutively from the shards; rank r gets slots r, r + W, r + 2W, ... (one per micro-step).
+    Wraps around to the first shard after the last. state_dict() is the exact read position."""
+
+    def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device):
+        self.paths = shard_paths(pattern, "train")
+        self.seq_len, self.num_slots, self.device = seq_len, num_slots, device
+        self.shard_index, self.pos, self.epoch = 0, 0, 0
+        self.tokens = self._load(0)
+
+    def _load(self, index: int) -> Tensor:
+        tokens = load_shard(self.paths[index], pin_memory=self.device.type == "cuda")
+        if len(tokens) < self.num_slots * self.seq_len + 1:
+            raise DataError(f"{self.paths[index]}: {len(tokens)} tokens, fewer than one batch "
+                            f"({self.num_slots} x {self.seq_len} + 1)")
+        return tokens
+
+    def state_dict(self) -> dict:
+        return dict(shard_index=self.shard_index, pos=self.pos, epoch=self.epoch)
+
+    def load_state_dict(self, state: dict):
+        if state["shard_index"] >= len(self.paths):
+            raise DataError(f"checkpoint reads shard #{state['shard_index']} but only {len(self.paths)} shards match")
+        self.shard_index, self.pos, self.epoch = state["shard_index"], state["pos"], state["epoch"]
+        self.tokens = self._load(self.shard_index)
+
+    def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
+        batch_tokens = self.num_slots * self.seq_len
+        if self.pos + batch_tokens + 1 > len(self.tokens):
+            self.shard_index = (self.shard_index + 1) % len(self.paths)
+            self.epoch += self.shard_index == 0
+            self.pos = 0
+            self.tokens = self._load(self.shard_index)
+        micro_batches = []
+        for slot in range(rank, self.num_slots, world_size):
+            buf = self.tokens[self.pos + slot * self.seq_len:][:self.seq_len + 1]
+            non_blocking = self.device.type == "cuda"
+            micro_batches.append((buf[:-1].to(self.device, torch.int32, non_blocking=non_blocking),
+                                  buf[1:].to(self.device, torch.int64, non_blocking=non_blocking)))
+        self.pos += batch_tokens
+        return micro_batches
+
+
+def validation_sequences(pattern: str, num_tokens: int, seq_len: int) -> Tensor:
+    """The first num_tokens + 1 validation tokens as (num_tokens // seq_len, seq_len + 1) windows
+    (targets overlap the next input by one token), identical for every run and world size."""
+    tokens, have = [], 0
+    for path in shard_paths(pattern, "val"):
+        if have > num_tokens:
+            break
+        tokens.append(load_shard(path))
+        have += len(tokens[-1])
+    if have < num_tokens + 1:
+        raise DataError(f"val_tokens={num_tokens} but the files matching {pattern!r} hold only {have} tokens")
+    flat = torch.cat(tokens)[:num_tokens + 1].long()
+    starts = torch.arange(0, num_tokens, seq_len)
+    return torch.stack([flat[s:s + seq_len + 1] for s in starts])
+
+
+def unigram_entropy(sequences: Tensor, vocab_size: int) -> float:
+    """Entropy in nats of the validation targets' token frequencies: the loss of a model that
+    knows only how often each token occurs."""
+    counts = torch.bincount(sequences[:, 1:].reshape(-1), minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+# ------------------------------------------------------------------------------------------------
+# Hyperparameters: the defaults are the 8xH100 record; presets override some of them
+
+
+@dataclass
+class Hyperparameters:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in sorted order
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of validation shards
+    val_tokens: int = 10_485_760  # validation tokens; fixed so runs stay comparable
+    seq_len: int = 48 * 1024  # training tokens per sequence (one sequence per rank per micro-step)
+    val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence
+    batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
+    # schedule
+    num_iterations: int = 1770  # optimizer steps
+    cooldown_frac: float = 0.4  # final fraction of training in which the lr decays linearly to 0.1x
+    val_loss_every: int = 125  # validate every N steps from step 0, and at the end; 0: only at the end
+    train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
+    window_tokens: int = 1728  # long sliding window at the end of training; it grows from one block, short = half
+    # model
+    vocab_size: int = 50257  # GPT-2 tokens; the lm_head is padded to a multiple of 128
+    num_layers: int = 12  # even: the first half feeds the second through U-net skips
+    num_heads: int = 6  # attention heads
+    head_dim: int = 128  # dims per head; rotary uses half of them
+    model_dim: int = 768  # residual stream width
+    # optimizers
+    head_lr: float = 0.22  # Adam lr for the lm_head
+    embed_lr: float = 0.6  # Adam lr for token and value embeddings
+    scalar_lr: float = 0.04  # Adam lr for skip weights and mixing lambdas
+    adam_beta1: float = 0.8  # Adam first-moment decay
+    adam_beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1e-10  # Adam epsilon
+    muon_lr: float = 0.05  # Muon lr for hidden matrices
+    muon_momentum_start: float = 0.85  # Muon momentum at step 0
+    muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
+    muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
+    orthogonalizer: str = "polar_express"  # Muon's orthogonalization: polar_express or newton_schulz
+    # systems
+    dtype: str = "bfloat16"  # activations and embedding storage: bfloat16, or float32 for exact comparisons
+    compile: bool = True  # torch.compile the model
+    warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
+    fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
+    seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
+    # run
+    run_id: str = ""  # log and checkpoint name; default: a new uuid
+    log_dir: str = "logs"  # where logs/<run_id>.txt goes
+    checkpoint_dir: str = "checkpoints"  # where checkpoints/<run_id>/step_NNNNNN.pt go
+    save_checkpoint: bool = False  # save model, optimizers, step and data position at the end
+    checkpoint_every: int = 0  # also save every N steps; 0: never
+    resume: str = ""  # checkpoint to continue from
+
+
+PRESETS = {
+    "record": {},  # the 8xH100 record: the defaults above
+    "cpu": dict(  # no GPU: the same architecture, small, on the Shakespeare corpus
+        train_files="data/shakespeare/shakespeare_train_*.bin",
+        val_files="data/shakespeare/shakespeare_val_*.bin",
+        val_tokens=8 * 8192,
+        seq_len=1024,
+        val_seq_len=1024,
+        num_iterations=60,
+        cooldown_frac=0.4,
+        val_loss_every=20,
+        train_loss_every=1,
+        window_tokens=1024,
+        num_layers=4,
+        num_heads=2,
+        head_dim=128,
+        model_dim=256,
+        muon_momentum_warmup_steps=20,
+        compile=False,
+        warmup_steps=0,
+    ),
+}
+
+# Settings that may differ between a checkpoint and the run resuming it.
+RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
+                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _convert(field: dataclasses.Field, text: str):
+    kind = field.type if isinstance(field.type, type) else type(field.default)
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{field.name}={text}: expected true or false")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{field.name}={text}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
+
+
+def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
+    """--preset NAME plus --key=value (or --key value; a bare --flag sets a bool) overrides."""
+    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    preset, overrides, i = default_preset, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --key=value (see --help)")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value and key != "preset" and key in fields and fields[key].type in (bool, "bool"):
+            value, has_value = "true", True
+        if not has_value:
+            if i + 1 == len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            i, value = i + 1, argv[i + 1]
+        if key == "preset":
+            if value not in PRESETS:
+                raise ConfigError(f"unknown preset {value!r}; valid presets: {', '.join(PRESETS)}")
+            preset = value
+        elif key not in fields:
+            raise ConfigError(f"unknown hyperparameter {key!r}; valid ones: {', '.join(fields)}")
+        else:
+            overrides[key] = _convert(fields[key], value)
+        i += 1
+    args = dataclasses.replace(Hyperparameters(**PRESETS[preset]), **overrides)
+    return args, preset
+
+
+def check_hyperparameters(args: Hyperparameters, world_size: int):
+    for name in ("seq_len", "val_seq_len"):
+        value = getattr(args, name)
+        if value <= 0 or value % BLOCK_SIZE:
+            raise ConfigError(f"{name}={value} must be a positive multiple of {BLOCK_SIZE} (the attention block size)")
+    if args.num_layers < 2 or args.num_layers % 2:
+        raise ConfigError(f"num_layers={args.num_layers} must be an even number >= 2 (U-net halves)")
+    if args.head_dim % 4:
+        raise ConfigError(f"head_dim={args.head_dim} must be a multiple of 4 (rotary on half of the dims, in pairs)")
+    if args.batch_slots % world_size:
+        raise ConfigError(f"world size {world_size} must divide batch_slots={args.batch_slots}; "
+                          f"use {', '.join(str(n) for n in range(1, args.batch_slots + 1) if args.batch_slots % n == 0)} processes")
+    if args.val_tokens <= 0 or args.val_tokens % (args.val_seq_len * world_size):
+        raise ConfigError(f"val_tokens={args.val_tokens} must be a positive multiple of val_seq_len x world size "
+                          f"({args.val_seq_len} x {world_size})")
+    if args.orthogonalizer not in ORTHOGONALIZERS:
+        raise ConfigError(f"orthogonalizer={args.orthogonalizer!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
+    if args.dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"dtype={args.dtype!r}; choose bfloat16 or float32")
+    if not 0 <= args.cooldown_frac <= 1:
+        raise ConfigError(f"cooldown_frac={args.cooldown_frac} must be within [0, 1]")
+    if args.num_iterations < 1:
+        raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
+
+
+def usage() -> str:
+    lines = [__doc__.strip(), "", f"presets: {', '.join(PRESETS)} (default: record with CUDA, cpu without)",
+             "hyperparameters (record defaults):"]
+    source = Path(__file__).read_text().splitlines()
+    for f in dataclasses.fields(Hyperparameters):
+        comment = next((line.split("#", 1)[1].strip() for line in source if line.strip().startswith(f"{f.name}:")), "")
+        lines.append(f"  --{f.name}={f.default!r:<40} {comment}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training loop
+
+
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1) -> tuple[torch.optim.Adam, Muon]:
+    """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices.
+    Each group remembers its initial_lr, which the schedule scales."""
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2]
+    embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
+    adam = torch.optim.Adam([dict(params=[model.lm_head.weight], lr=args.head_lr),
+                             dict(params=embeddings, lr=args.embed_lr),
+                             dict(params=[model.scalars], lr=args.scalar_lr)],
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
+    muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
+                rank=rank, world_size=world_size)
+    assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
+    if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
+        raise RuntimeError("every parameter must belong to exactly one optimizer group")
+    for optimizer in (adam, muon):
+        for group in optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+    return adam, muon
+
+
+def lr_multiplier(step: int, args: Hyperparameters) -> float:
+    """1 until the cooldown, then linear to 0.1 at the last step."""
+    progress = step / args.num_iterations
+    if progress < 1 - args.cooldown_frac:
+        return 1.0
+    w = (1 - progress) / args.cooldown_frac
+    return w + (1 - w) * 0.1
+
+
+def window_blocks(step: int, args: Hyperparameters) -> int:
+    """The long window in blocks: grows linearly from one block to window_tokens (rounded up)."""
+    return max(1, math.ceil(args.window_tokens * step / args.num_iterations / BLOCK_SIZE))
+
+
+def muon_momentum(step: int, args: Hyperparameters) -> float:
+    frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
+    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+
+
+def flops_per_token(model: GPT, args: Hyperparameters) -> float:
+    """Training FLOPs per token: 6 per matmul weight (forward + backward), plus attention scores and
+    values over the average window (about half of it, QK^T and AV, forward and backward)."""
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters()
+                         if p.ndim >= 2 and "embed" not in name)
+    attention_layers = sum(block.attn is not None for block in model.blocks)
+    avg_keys = min(args.window_tokens, args.seq_len) / 2
+    return 6 * matmul_weights + 12 * attention_layers * args.num_heads * args.head_dim * avg_keys
+
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        # A rank that dies is noticed by torchrun, which stops the others; the timeout bounds the
+        # wait of a rank whose peer hangs without dying.
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
+        else:
+            dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    return rank, world_size, device
+
+
+def save_checkpoint(path: Path, model: GPT, optimizers, step: int, stream: TokenStream, args: Hyperparameters,
+                    clock: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
+                 data=stream.state_dict(), hyperparameters=dataclasses.asdict(args), clock=clock)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model: GPT, optimizers, stream: TokenStream, args: Hyperparameters) -> tuple[int, dict]:
+    """Restores the state in place; returns the step and the training clock to continue from."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise ConfigError(f"--resume={path}: cannot read the checkpoint ({str(e).splitlines()[0]})") from None
+    saved, now = state["hyperparameters"], dataclasses.asdict(args)
+    mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
+                  if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    if mismatched:
+        raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
+    model.load_state_dict(state["model"])
+    for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
+        optimizer.load_state_dict(optimizer_state)
+    stream.load_state_dict(state["data"])
+    return state["step"], state["clock"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input."""
+    source = Path(__file__).read_text()  # logged first, so every run carries its exact code
+    argv = sys.argv[1:] if argv is None else argv
+    rank, world_size, device = setup_distributed()
+    args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
+    check_hyperparameters(args, world_size)
+    # Data problems surface before anything is written.
+    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device)
+    val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len)
+    run_id = args.run_id or str(uuid.uuid4())
+    log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rank == 0 else None)
+    try:
+        return train(args, preset, run_id, source, log, rank, world_size, device, stream, val_sequences)
+    finally:
+        log.close()
+
+
+def train(args: Hyperparameters, preset: str, run_id: str, source: str, log: RunLog, rank: int, world_size: int,
+          device: torch.device, stream: TokenStream, val_sequences: Tensor) -> dict:
+    log.write_source(source)
+    log(f"python {sys.version.split()[0]} | torch {torch.__version__}"
+        f"{f' | CUDA {torch.version.cuda}' if torch.version.cuda else ''}", console=False)
+    hardware, hardware_details = describe_hardware(device, world_size)
+    log(f"hardware: {hardware}", console=False)
+    if hardware_details:
+        log(hardware_details, console=False)
+    log(f"hyperparameters (preset {preset}):", console=False)
+    for name, value in dataclasses.asdict(args).items():
+        log(f"  {name}: {value!r}", console=False)
+
+    # Fast paths: chosen once, each logged with why it is on or off.
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    fp8_ok, fp8_why = fp8_supported(device)
+    use_fp8 = args.fp8 and fp8_ok
+    backend = "flex" if device.type == "cuda" else "sdpa"
+    log("fast paths:", console=False)
+    log(f"  fp8 lm_head: {'on (' + fp8_why + ')' if use_fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}", console=False)
+    log("  attention: FlexAttention with block-sparse masks" if backend == "flex" else
+        f"  attention: SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})", console=False)
+    log(f"  compile: {'on' if args.compile else 'off (--compile=false)'}", console=False)
+    log(f"  dtype: {args.dtype}", console=False)
+    log(f"  pinned memory, non-blocking copies: {'on' if device.type == 'cuda' else 'off (CUDA only)'}", console=False)
+    if device.type == "cpu":
+        malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
+        log(f"  glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}", console=False)
+
+    # Model, identical on every rank
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
+                max(args.seq_len, args.val_seq_len), backend).to(device)
+    for table in [model.embed, *model.value_embeds]:
+        table.to(dtype)
+    model.lm_head.use_fp8 = use_fp8
+    if world_size > 1:
+        for p in model.parameters():
+            dist.broadcast(p.detach(), 0)
+    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
+        f"attention-free layer {attention_free_layer(args.num_layers)}; long-window layers "
+        f"{[i for i, long in enumerate(model.long_window) if long]}", console=False)
+
+    optimizers = build_optimizers(model, args, rank, world_size)
+    muon = optimizers[1]
+
+    # Gradient synchronization: the training loop only calls wait_for_gradients()
+    buckets = None
+    if world_size > 1:
+        buckets = GradientBuckets(list(reversed(list(model.parameters()))), int(args.bucket_mb * 1e6))
+        log(f"distributed: world size {world_size}, backend {dist.get_backend()}, {len(buckets.buckets)} gradient "
+            f"buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB", console=False)
+    else:
+        log("distributed: world size 1, no gradient communication", console=False)
+    grad_accum_steps = args.batch_slots // world_size
+    log(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {world_size} ranks x "
+        f"{grad_accum_steps} micro-steps", console=False)
+
+    compiled = torch.compile(model, dynamic=False) if args.compile else model
+    val_entropy = unigram_entropy(val_sequences, args.vocab_size)
+
+    def window(step: int) -> Tensor:
+        return torch.tensor(window_blocks(step, args), dtype=torch.int32, device=device)
+
+    def train_step(step: int, micro_batches) -> Tensor:
+        total = torch.zeros((), device=device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            if buckets is not None:
+                buckets.last_micro_step = i == len(micro_batches) - 1
+            loss = compiled(inputs, targets, window(step))
+            # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
+            (loss / grad_accum_steps).backward()
+            total += loss.detach()
+        if buckets is not None:
+            buckets.wait_for_gradients()
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
+        for group in muon.param_groups:
+            group["momentum"] = muon_momentum(step, args)
+        for optimizer in optimizers:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return total / (grad_accum_steps * args.seq_len)
+
+    @torch.no_grad()
+    def validate(step: int) -> float:
+        model.eval()
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        for seq in val_sequences[rank::world_size]:
+            seq = seq.to(device)
+            total += compiled(seq[:-1].int(), seq[1:], window(step)).double()
+        model.train()
+        if world_size > 1:
+            dist.all_reduce(total)
+        return float(total) / len(val_sequences)
+
+    start_step, clock = 0, dict(training_ms=0.0, timed_steps=0)
+    if args.resume:
+        start_step, clock = load_checkpoint(Path(args.resume), model, optimizers, stream, args)
+        log(f"resumed from {args.resume} at step {start_step}")
+
+    if args.warmup_steps:
+        # Compile on random tokens, then restore the exact initial state.
+        saved = copy.deepcopy(dict(model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers]))
+        t0 = time.perf_counter()
+        for step in range(args.warmup_steps):
+            random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=device, dtype=torch.int32),
+                             torch.randint(0, args.vocab_size, (args.seq_len,), device=device))
+                            for _ in range(grad_accum_steps)]
+            train_step(start_step + step, random_batch)
+        model.load_state_dict(saved["model"])
+        for optimizer, state in zip(optimizers, saved["optimizers"]):
+            optimizer.load_state_dict(state)
+        log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    val_losses, train_losses, checkpoints = {}, {}, []
+    nonfinite_step = torch.full((), -1, device=device, dtype=torch.int64)  # first bad step, found without a sync
+
+    def stop_if_nonfinite():
+        bad = int(nonfinite_step)
+        if bad >= 0:
+            raise FloatingPointError(f"training loss became non-finite at step {bad}; lower the learning rates or check the data")
+
+    synchronize()
+    training_ms, timed_steps, t0 = clock["training_ms"], clock["timed_steps"], time.perf_counter()
+    for step in range(start_step, args.num_iterations + 1):
+        last = step == args.num_iterations
+        if last or (args.val_loss_every and step % args.val_loss_every == 0):
+            synchronize()
+            training_ms += 1000 * (time.perf_counter() - t0)
+            stop_if_nonfinite()
+            val_losses[step] = validate(step)
+            if not math.isfinite(val_losses[step]):
+                raise FloatingPointError(f"validation loss is non-finite at step {step}")
+            log(f"step:{step}/{args.num_iterations} val_loss:{val_losses[step]:.4f} train_time:{training_ms:.0f}ms "
+                f"step_avg:{training_ms / max(timed_steps, 1):.2f}ms")
+            synchronize()
+            t0 = time.perf_counter()
+        if last:
+            break
+        loss = train_step(step, stream.next_batch(rank, world_size))
+        nonfinite_step = torch.where((nonfinite_step < 0) & ~torch.isfinite(loss), step + 1, nonfinite_step)
+        timed_steps += 1
+        elapsed_ms = training_ms + 1000 * (time.perf_counter() - t0)
+        if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
+            stop_if_nonfinite()
+            train_losses[step + 1] = loss.item()
+            log(f"step:{step + 1}/{args.num_iterations} train_loss:{train_losses[step + 1]:.4f} "
+                f"train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / timed_steps:.2f}ms")
+        else:
+            log(f"step:{step + 1}/{args.num_iterations} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / timed_steps:.2f}ms")
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.num_iterations:
+            synchronize()  # saving is off the clock, like validation
+            training_ms += 1000 * (time.perf_counter() - t0)
+            checkpoints.append(Path(args.checkpoint_dir) / run_id / f"step_{step + 1:06d}.pt")
+            if rank == 0:
+                save_checkpoint(checkpoints[-1], model, optimizers, step + 1, stream, args,
+                                dict(training_ms=training_ms, timed_steps=timed_steps))
+            t0 = time.perf_counter()
+
+    if args.save_checkpoint:
+        checkpoints.append(Path(args.checkpoint_dir) / run_id / f"step_{args.num_iterations:06d}.pt")
+        if rank == 0:
+            save_checkpoint(checkpoints[-1], model, optimizers, args.num_iterations, stream, args,
+                            dict(training_ms=training_ms, timed_steps=timed_steps))
+    for path in checkpoints:
+        log(f"checkpoint: {path}", console=False)
+
+    tokens_per_second = timed_steps * args.batch_slots * args.seq_len / max(training_ms / 1000, 1e-9)
+    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items()
+                 if device.type == "cuda" and name in torch.cuda.get_device_name(device)), None)
+    achieved = flops_per_token(model, args) * tokens_per_second
+    mfu = (f"MFU {100 * achieved / (peak * world_size):.1f}% of {world_size} x {peak / 1e12:.0f} TFLOP/s bf16"
+           if peak else f"MFU n/a (no known peak for {device.type}); {achieved / 1e9:.1f} GFLOP/s achieved")
+    log(f"throughput: {tokens_per_second:.0f} tokens/s, {mfu}")
+    if buckets is not None:
+        log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "
+            f"over {buckets.steps} synchronized steps", console=False)
+    final = val_losses[args.num_iterations]
+    log(f"final val loss {final:.4f} nats vs {val_entropy:.4f} for the validation tokens' unigram entropy: "
+        f"{val_entropy - final:.4f} nats below")
+    log(peak_memory_line(device))
+    return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
+                log_path=log.path, checkpoints=checkpoints, run_id=run_id)
+
+
+if __name__ == "__main__":
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(usage())
+        sys.exit(0)
+    try:
+        main()
+    except (ConfigError, DataError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
