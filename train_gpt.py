@@ -171,7 +171,9 @@ def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: floa
 
 @fp8_mm_backward.register_fake
 def _(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+    # grad_w is the transpose of a row-major (in, out) result; the fake must have the same strides
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
+            w_f8.new_empty(w_f8.shape[::-1], dtype=torch.float32).T)
 
 
 def _fp8_mm_setup_context(ctx, inputs, output):

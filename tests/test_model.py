@@ -1,0 +1,272 @@
+"""The GPT: layer layout rules, U-net wiring, initialization, rotary, gradients, backends, and the
+gradient-ready order that GradientBuckets relies on."""
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest
+import torch
+
+import train_gpt
+
+EOT = 50256
+VOCAB = 50257  # the real vocabulary, so EOT (50256) can start documents
+T = 512  # 4 blocks of 128
+
+
+def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0):
+    """Width 32, 2 heads of 16 (a multiple of 4, as rotary needs)."""
+    torch.manual_seed(seed)
+    return train_gpt.GPT(vocab, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
+                         attention_backend=backend)
+
+
+def randomize_(model, seed=1):
+    """Replace the zero-initialized weights (output projections, lm_head) and the scalars' initial
+    values with random ones, so that every layer and every path changes the output; the lm_head is
+    large (|w| <= 8, within the record's FP8 bound of 24) so the softcapped logits, and the loss,
+    depend clearly on the hidden state."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.uniform_(-0.2, 0.2)
+        model.lm_head.weight.uniform_(-8, 8)
+        model.scalars.add_(0.3 * torch.randn_like(model.scalars))
+    return model
+
+
+def documents(seed=0, n=T):
+    """Random tokens with a few EOTs: several documents, one starting mid-block."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, EOT, (n + 1,), generator=g)
+    tokens[[0, 100, 230, 300]] = EOT
+    return tokens[:-1].int(), tokens[1:]
+
+
+# Layouts from the docstrings' rules: value-embedding tables 0, 1, 2 on the first and last three layers
+# (fewer when shallow, keeping two middle layers free); the attention-free layer is the second decoder
+# layer, moved earlier when that layer has a value embedding; long windows on every fourth encoder
+# layer from the first, mirrored in the decoder.
+LAYOUTS = {
+    12: dict(ve=[0, 1, 2, None, None, None, None, None, None, 0, 1, 2], attention_free=7, long=[0, 4, 7, 11]),
+    8: dict(ve=[0, 1, 2, None, None, 0, 1, 2], attention_free=4, long=[0, 7]),
+    4: dict(ve=[0, None, None, 0], attention_free=2, long=[0, 3]),
+}
+
+
+@pytest.mark.parametrize("depth", sorted(LAYOUTS))
+def test_layer_layout(depth):
+    """Value-embedding tables, attention-free layer and long-window layers per depth (12: the record)."""
+    expected = LAYOUTS[depth]
+    assert train_gpt.value_embedding_layout(depth) == expected["ve"]
+    assert train_gpt.attention_free_layer(depth) == expected["attention_free"]
+    long = train_gpt.long_window_layers(depth)
+    assert [i for i, is_long in enumerate(long) if is_long] == expected["long"]
+    # the attention-free layer must not have a value embedding: it would be unused
+    assert expected["ve"][expected["attention_free"]] is None
+
+
+@pytest.mark.parametrize("depth", sorted(LAYOUTS))
+def test_gpt_structure(depth):
+    """Skip weights (first depth//2 scalars, init 1), value-embedding tables, the attention-free block."""
+    expected = LAYOUTS[depth]
+    model = tiny_gpt(depth, vocab=256)
+    L = depth
+    assert model.scalars.numel() == L // 2 + 4 * L
+    assert torch.equal(model.scalars[:L // 2], torch.ones(L // 2))
+    assert torch.equal(model.scalars[L // 2:L // 2 + 2 * L], torch.tensor([1.0, 0.0]).repeat(L))
+    assert torch.equal(model.scalars[L // 2 + 2 * L:], torch.tensor([0.5, 0.5]).repeat(L))
+    assert len(model.value_embeds) == max(t for t in expected["ve"] if t is not None) + 1
+    for i, block in enumerate(model.blocks):
+        assert (block.attn is None) == (i == expected["attention_free"])
+
+
+@pytest.mark.parametrize("depth", [4, 12])
+def test_unet_wiring(depth):
+    """Observed with hooks on every block: encoder layers chain; decoder layer i's input is layer i-1's
+    output plus skip_weights[i - depth//2] times encoder layer (depth-1-i)'s output and no other; each
+    layer gets its value-embedding table (or none) and its long or short mask."""
+    model = randomize_(tiny_gpt(depth))
+    L = depth
+    inputs, outputs = {}, {}
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args))
+        block.register_forward_hook(lambda m, args, out, i=i: outputs.__setitem__(i, out.detach()))
+    tokens, targets = documents()
+    window = 4
+    with torch.no_grad():
+        model(tokens, targets, window)
+        x0 = train_gpt.norm(model.embed(tokens)[None])
+        long, short = train_gpt.attention_masks(tokens, window, "sdpa")
+        skip = model.scalars[:L // 2]
+        for i in range(L):
+            x, block_x0, ve, mask = inputs[i][:4]
+            torch.testing.assert_close(block_x0, x0, atol=0, rtol=0)
+            table = LAYOUTS[L]["ve"][i]
+            if table is None:
+                assert ve is None
+            else:
+                torch.testing.assert_close(ve, model.value_embeds[table](tokens)[None], atol=0, rtol=0)
+            assert torch.equal(mask, long if i in LAYOUTS[L]["long"] else short)
+            if i == 0:
+                torch.testing.assert_close(x, x0, atol=0, rtol=0)
+            elif i < L // 2:
+                torch.testing.assert_close(x, outputs[i - 1], atol=0, rtol=0)
+            else:
+                matches = [j for j in range(L // 2)
+                           if torch.allclose(x, outputs[i - 1] + skip[i - L // 2] * outputs[j], atol=1e-6, rtol=0)]
+                assert matches == [L - 1 - i], (i, matches)
+
+
+def test_zero_init_gives_uniform_logits():
+    """Attention and MLP output projections and the lm_head start at zero, so every logit is
+    30 * sigmoid(0) = 15 and the loss is exactly ln(50304) (fp32), in both train (sum) and eval (mean)."""
+    model = tiny_gpt()
+    for block in model.blocks:
+        assert block.mlp.c_proj.weight.abs().max() == 0
+        if block.attn is not None:
+            assert block.attn.c_proj.weight.abs().max() == 0
+    assert model.lm_head.weight.abs().max() == 0
+    assert model.blocks[0].mlp.c_fc.weight.abs().max() > 0  # the others are not zero
+    tokens, targets = documents()
+    with torch.no_grad():
+        train_loss = model(tokens, targets, 4)
+        model.eval()
+        eval_loss = model(tokens, targets, 4)
+    assert eval_loss.item() == pytest.approx(math.log(50304), abs=1e-4)
+    assert (train_loss / T).item() == pytest.approx(math.log(50304), abs=1e-4)
+
+
+@pytest.mark.parametrize("vocab, padded", [(50257, 50304), (1000, 1024), (1024, 1024), (1025, 1152)])
+def test_vocab_padded_to_multiple_of_128(vocab, padded):
+    assert train_gpt.next_multiple(vocab, 128) == padded
+    if vocab == 50257:
+        model = tiny_gpt(vocab=vocab)
+        assert model.lm_head.weight.shape == (padded, 32)
+        assert model.embed.weight.shape == (vocab, 32)
+
+
+HEAD_DIM = 16
+
+
+def rotate(x, positions):
+    """Rotary applied to the vector x (H, D) placed at the given positions of a sequence."""
+    rotary = train_gpt.Rotary(HEAD_DIM, max_seq_len=64)
+    seq = x[None, None].expand(1, 64, *x.shape).clone()
+    return rotary(seq)[0, positions]
+
+
+def test_rotary_rotates_a_quarter_of_the_pairs_by_the_documented_frequencies():
+    """Pair k = (dim k, dim k + D/2) turns by position * (1/1024)^(k / (D/4 - 1)) for k < D/4; the
+    pairs k >= D/4 (dims D/4..D/2 and 3D/4..D) have frequency zero and never change."""
+    torch.manual_seed(0)
+    x = torch.randn(2, HEAD_DIM)
+    positions = torch.arange(64)
+    out = rotate(x, positions)
+    quarter, half = HEAD_DIM // 4, HEAD_DIM // 2
+    freqs = torch.cat([(1 / 1024) ** (torch.arange(quarter) / (quarter - 1)), torch.zeros(quarter)])
+    angle = positions[:, None, None] * freqs  # (T, 1, D/2)
+    x1, x2 = x[:, :half], x[:, half:]
+    expected = torch.cat([x1 * angle.cos() + x2 * angle.sin(), x2 * angle.cos() - x1 * angle.sin()], -1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    still = torch.cat([torch.arange(quarter, half), torch.arange(half + quarter, HEAD_DIM)])
+    assert torch.equal(out[:, :, still], x[:, still].expand(64, -1, -1))
+    moving = torch.cat([torch.arange(quarter), torch.arange(half, half + quarter)])
+    assert ((out[1:, :, moving] - x[:, moving]).abs() > 1e-6).float().mean() > 0.9
+
+
+def test_rotary_dot_product_depends_only_on_offset():
+    """<R_m q, R_n k> is a function of m - n: shifting both positions leaves it unchanged."""
+    torch.manual_seed(1)
+    q, k = torch.randn(1, HEAD_DIM), torch.randn(1, HEAD_DIM)
+    dot = lambda m, n: (rotate(q, [m]) * rotate(k, [n])).sum().item()
+    for m, n in [(5, 2), (10, 10), (3, 40)]:
+        for shift in [1, 7, 20]:
+            assert dot(m + shift, n + shift) == pytest.approx(dot(m, n), abs=1e-4)
+    assert abs(dot(5, 2) - dot(9, 2)) > 1e-3  # but it does depend on the offset
+
+
+def expected_nonzero_scalar_grads(L):
+    """Skip weights and block lambdas always matter; attention lambda 0 (v) only with attention,
+    lambda 1 (value embedding) only with attention and a value embedding."""
+    layout, free = train_gpt.value_embedding_layout(L), train_gpt.attention_free_layer(L)
+    attn = [[i != free, i != free and layout[i] is not None] for i in range(L)]
+    return torch.tensor([True] * (L // 2 + 2 * L) + [b for pair in attn for b in pair])
+
+
+def test_forward_backward_fp32_reaches_every_parameter():
+    """fp32, SDPA backend, several documents: every parameter gets a finite gradient, nonzero
+    wherever it is used (per scalar entry: exactly the entries the forward uses)."""
+    model = randomize_(tiny_gpt())
+    tokens, targets = documents()
+    model(tokens, targets, 2).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().max() > 0, name
+    assert torch.equal(model.scalars.grad != 0, expected_nonzero_scalar_grads(4))
+
+
+def test_bf16_embeddings_path():
+    """Embeddings stored in bf16 (as training does) make the whole forward bf16; it runs forward and
+    backward and its loss is within bf16 precision of the fp32 loss (measured 0.01% apart)."""
+    model = randomize_(tiny_gpt())
+    tokens, targets = documents()
+    with torch.no_grad():
+        fp32_loss = model(tokens, targets, 2).item()
+    for table in [model.embed, *model.value_embeds]:
+        table.to(torch.bfloat16)
+    loss = model(tokens, targets, 2)
+    loss.backward()
+    assert loss.item() == pytest.approx(fp32_loss, rel=5e-3)
+    assert model.embed.weight.grad.dtype == torch.bfloat16
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_compiled_flex_model_matches_sdpa():
+    """The flex backend under torch.compile (BlockMasks built inside the graph) gives the SDPA
+    backend's training loss for the same weights and a multi-document sequence (fp32)."""
+    sdpa = randomize_(tiny_gpt(backend="sdpa"))
+    flex = tiny_gpt(backend="flex")
+    flex.load_state_dict(sdpa.state_dict())
+    compiled = torch.compile(flex, dynamic=False)
+    tokens, targets = documents(3)
+    losses = {}
+    with torch.no_grad():
+        for window in [1, 4]:  # long 1 and short 1 blocks; long 4 (all) and short 2
+            w = torch.tensor(window, dtype=torch.int32)
+            losses[window] = (sdpa(tokens, targets, w) / T).item()
+            assert (compiled(tokens, targets, w) / T).item() == pytest.approx(losses[window], abs=1e-4)
+    assert abs(losses[1] - losses[4]) > 5e-3  # measured 1.1e-2: a wrong window would show
+
+
+def test_gradients_become_ready_in_reversed_parameter_order():
+    """GradientBuckets packs parameters in reversed(model.parameters()) order, assuming that is the
+    order in which backward finishes them. Recorded with post-accumulate-grad hooks: lm_head first,
+    then the blocks from last to first (each block's parameters before any of an earlier block's),
+    then scalars and embeddings, which are used throughout."""
+    model = randomize_(tiny_gpt(8))
+    L = 8
+    order = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+
+    def stage(name):  # 0: lm_head, 1..L: blocks L-1..0, L+1: used by every layer
+        if name == "lm_head.weight":
+            return 0
+        if name.startswith("blocks."):
+            return L - int(name.split(".")[1])
+        return L + 1
+
+    tokens, targets = documents()
+    model(tokens, targets, 2).backward()
+    assert sorted(order) == sorted(name for name, _ in model.named_parameters())
+    assert order[0] == "lm_head.weight"
+    ready = [stage(name) for name in order]
+    assert ready == sorted(ready), order
+    bucket_order = [stage(name) for name, _ in reversed(list(model.named_parameters()))]
+    assert bucket_order == sorted(bucket_order)

@@ -1,0 +1,191 @@
+"""Orthogonalization, Muon, and the learning-rate / momentum / window schedules."""
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest
+import torch
+
+import train_gpt
+
+# square, wide, tall, a batch, and a 4-D stack like Muon's batch of qkv weights (n, 3, rows, cols)
+SHAPES = [(128, 128), (64, 256), (256, 64), (3, 64, 128), (2, 3, 64, 32)]
+
+
+def random_matrices(shape, seed):
+    """Gaussian matrices; square ones get a random spectrum in [0.05, 1] instead, because a square
+    Gaussian matrix has singular values near 0 (~1/n of the largest) that no 5-step iteration lifts
+    into the band (measured: down to 0.09 for Newton-Schulz), which says nothing about the method."""
+    torch.manual_seed(seed)
+    if shape[-1] != shape[-2]:
+        return torch.randn(shape)
+    n = shape[-1]
+    q1, _ = torch.linalg.qr(torch.randn(*shape[:-2], n, n))
+    q2, _ = torch.linalg.qr(torch.randn(*shape[:-2], n, n))
+    return q1 @ torch.diag_embed(0.05 + 0.95 * torch.rand(*shape[:-1])) @ q2
+
+
+def polar_factor(G):
+    """The exact U V^T of G's reduced SVD, in fp32."""
+    U, _, Vh = torch.linalg.svd(G.float(), full_matrices=False)
+    return U @ Vh
+
+
+def orthogonalization_stats(shape, method):
+    """Over three seeds: (smallest singular value, largest, largest |s - 1|, smallest cosine with U V^T)."""
+    lo, hi, dev, cos = [], [], [], []
+    for seed in range(3):
+        G = random_matrices(shape, seed)
+        O = train_gpt.orthogonalize(G, method)
+        assert O.shape == G.shape and O.dtype == torch.bfloat16
+        s = torch.linalg.svdvals(O.float())
+        P = polar_factor(G)
+        cosine = (O.float() * P).sum((-2, -1)) / (O.float().norm(dim=(-2, -1)) * P.norm(dim=(-2, -1)))
+        lo.append(s.min().item())
+        hi.append(s.max().item())
+        dev.append((s - 1).abs().max().item())
+        cos.append(cosine.min().item())
+    return min(lo), max(hi), max(dev), min(cos)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_orthogonalize_lands_near_the_polar_factor(shape):
+    """Both methods map every singular value into a band around 1 and point along U V^T; Polar
+    Express is tighter. Measured over all shapes: Newton-Schulz s in [0.67, 1.14], |s-1| <= 0.33,
+    cosine >= 0.984; Polar Express s in [0.85, 1.15], |s-1| <= 0.15, cosine >= 0.994."""
+    ns_lo, ns_hi, ns_dev, ns_cos = orthogonalization_stats(shape, "newton_schulz")
+    pe_lo, pe_hi, pe_dev, pe_cos = orthogonalization_stats(shape, "polar_express")
+    assert 0.5 < ns_lo and ns_hi < 1.3
+    assert 0.7 < pe_lo and pe_hi < 1.25
+    assert pe_dev < 0.25 and pe_dev < ns_dev
+    assert ns_cos > 0.97 and pe_cos > 0.98
+
+
+def test_orthogonalize_batches_independently():
+    """Each matrix of a stack is orthogonalized on its own: a batch equals its slices (up to bf16)."""
+    G = random_matrices((3, 64, 128), 0)
+    batched = train_gpt.orthogonalize(G)
+    for i in range(3):
+        torch.testing.assert_close(batched[i].float(), train_gpt.orthogonalize(G[i]).float(), atol=2e-2, rtol=0)
+
+
+def test_unknown_orthogonalizer_raises():
+    with pytest.raises(ValueError, match="unknown orthogonalizer"):
+        train_gpt.orthogonalize(torch.randn(8, 8), "svd")
+    with pytest.raises(ValueError, match="unknown orthogonalizer"):
+        train_gpt.Muon([torch.nn.Parameter(torch.randn(8, 8))], lr=0.1, momentum=0.9, method="svd")
+
+
+def test_muon_reduces_a_least_squares_loss():
+    """Muon fits W_i X_i ~ Y_i for matrices of two shapes (tall and wide): the loss falls 20x."""
+    torch.manual_seed(0)
+    shapes = [(32, 16), (32, 16), (16, 48), (16, 48)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    data = [(torch.randn(s[1], 64), torch.randn(s[0], s[1]) / s[1] ** 0.5) for s in shapes]
+    targets = [W @ X for X, W in data]
+
+    def loss():
+        return sum(((p @ X - Y) ** 2).mean() for p, (X, _), Y in zip(params, data, targets))
+
+    optimizer = train_gpt.Muon(params, lr=0.02, momentum=0.9)
+    assert len(optimizer.param_groups) == 2  # one group per shape
+    initial = loss().item()
+    for _ in range(60):
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    assert loss().item() < initial / 20
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_the_documented_update(nesterov):
+    """World size 1, three steps, a group of shape-identical params: by hand, buf <- lerp(buf, g, 1 - m);
+    u = lerp(g, buf, m) with Nesterov, else buf; p <- p - lr * sqrt(max(1, rows/cols)) * orth(u)."""
+    torch.manual_seed(1)
+    lr, momentum = 0.03, 0.9
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(3)]
+    initial = [p.detach().clone() for p in params]
+    expected = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    optimizer = train_gpt.Muon(params, lr=lr, momentum=momentum, nesterov=nesterov)
+    for _ in range(3):
+        grads = [torch.randn(64, 32) for _ in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+        for i, g in enumerate(grads):
+            # lerp as documented; the same fp32 rounding matters, since the bf16 orthogonalization
+            # turns a last-bit difference in its input into ~1% in its output
+            bufs[i] = torch.lerp(bufs[i], g, 1 - momentum)
+            u = torch.lerp(g, bufs[i], momentum) if nesterov else bufs[i]
+            expected[i] -= lr * math.sqrt(64 / 32) * train_gpt.orthogonalize(u).float()
+    for p, p0, e in zip(params, initial, expected):
+        moved, expected_move = p.detach() - p0, e - p0
+        # measured relative error ~6e-7 (fp32 rounding of the parameter updates)
+        assert float((moved - expected_move).norm() / expected_move.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("shape, scale", [((64, 16), 2.0), ((16, 64), 1.0), ((3, 64, 16), 2.0), ((3, 16, 64), 1.0)])
+def test_muon_update_scale(shape, scale):
+    """Without momentum the update is lr * sqrt(max(1, rows/cols)) * orth(g): 2 for a 4x tall matrix,
+    1 for a wide one, with rows, cols the last two dims (the qkv weight is (3, hidden, dim))."""
+    torch.manual_seed(2)
+    lr = 0.01
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = torch.randn(shape)
+    train_gpt.Muon([p], lr=lr, momentum=0.0, nesterov=False).step()
+    measured = p.detach().norm() / (lr * train_gpt.orthogonalize(p.grad).float().norm())
+    assert measured.item() == pytest.approx(scale, rel=1e-4)
+
+
+RECORD = train_gpt.Hyperparameters()
+CPU = dataclasses.replace(RECORD, **train_gpt.PRESETS["cpu"])
+
+
+@pytest.mark.parametrize("args", [RECORD, CPU], ids=["record", "cpu"])
+def test_lr_multiplier(args):
+    """1.0 until (1 - cooldown_frac) * N, then linear to 0.1 at step N."""
+    N, start = args.num_iterations, (1 - args.cooldown_frac) * args.num_iterations
+    for step in range(N + 1):
+        expected = 1.0 if step < start else 1.0 - 0.9 * (step - start) / (N - start)
+        assert train_gpt.lr_multiplier(step, args) == pytest.approx(expected, abs=1e-12), step
+    assert train_gpt.lr_multiplier(N, args) == pytest.approx(0.1)
+    assert train_gpt.lr_multiplier(N // 2, args) == 1.0
+
+
+def test_lr_multiplier_record_values():
+    """Spot values for the record (1770 steps, cooldown from step 1062)."""
+    values = {0: 1.0, 1061: 1.0, 1062: 1.0, 1416: 0.55, 1770: 0.1}
+    for step, expected in values.items():
+        assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(expected), step
+
+
+def test_muon_momentum():
+    """0.85 at step 0, linear to 0.95 at step 300, then constant; no warm-up means 0.95 throughout."""
+    for step, expected in {0: 0.85, 150: 0.90, 299: 0.85 + 0.1 * 299 / 300, 300: 0.95, 1000: 0.95}.items():
+        assert train_gpt.muon_momentum(step, RECORD) == pytest.approx(expected), step
+    no_warmup = dataclasses.replace(RECORD, muon_momentum_warmup_steps=0)
+    assert train_gpt.muon_momentum(0, no_warmup) == pytest.approx(0.95)
+
+
+@pytest.mark.parametrize("args", [RECORD, CPU], ids=["record", "cpu"])
+def test_window_blocks(args):
+    """ceil(window_tokens * step / N / 128) blocks, at least 1: 1 at step 0, ceil(1728/128) = 14 at the
+    end of the record; never shrinks."""
+    N = args.num_iterations
+    values = [train_gpt.window_blocks(step, args) for step in range(N + 1)]
+    exact = [max(1, -(-args.window_tokens * step // (N * 128))) for step in range(N + 1)]
+    assert values == exact
+    assert values[0] == 1
+    assert values[-1] == math.ceil(args.window_tokens / 128)
+    assert all(a <= b for a, b in zip(values, values[1:]))
+
+
+def test_window_blocks_record():
+    assert train_gpt.window_blocks(0, RECORD) == 1
+    assert train_gpt.window_blocks(885, RECORD) == 7  # 864 tokens -> 6.75 blocks, rounded up
+    assert train_gpt.window_blocks(1770, RECORD) == 14
