@@ -294,7 +294,7 @@ def test_submit_then_list(runs, tmp_path, capsys):
     assert f"{pvalue:.4g}" in readme
     assert "--preset cpu" in readme and "--num_layers=2" in readme and "--run_id" not in readme
     assert "`--seed`: 0, 1, 2" in readme and "`--num_iterations`: 3, 4, 3" in readme
-    assert "CPU:" in readme  # the hardware line
+    assert "hardware: 1x CPU" in readme  # the hardware line
     assert sorted(x.name for x in (recs / "track_cpu").iterdir()) == [folder.name]  # no temporary folder left
     capsys.readouterr()
 

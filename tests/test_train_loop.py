@@ -42,7 +42,7 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert "hardware: 1x CPU" in header
     for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
-                 "  compile: off (--compile=false)", "  dtype: float32", "  num_iterations: 2", "  seq_len: 128"):
+                 "  compile: off (compile=false)", "  dtype: float32", "  num_iterations: 2", "  seq_len: 128"):
         assert line in header, line
     assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
 

@@ -1,0 +1,112 @@
+"""train_gpt.py under torchrun with one thing changed, for tests/test_distributed.py (never imported by it).
+
+    python -m torch.distributed.run ... tests/dist_helpers.py MODE [train_gpt.py options]
+
+MODE is one of:
+  nosync  gradient synchronization off: GradientBuckets' hooks launch nothing and wait_for_gradients()
+          only counts the step. Validation's all_reduce and Muon's all_gather still run, so every rank
+          trains on its own gradients; the comparison with one process must catch it.
+  record  every bucket all-reduce launch is recorded (optimizer step, micro-step, bucket, whether it was
+          the last micro-step, how many gradients of that backward were ready) and written with the
+          buckets' parameter shapes to $DIST_HELPERS_OUT/rank<R>.json.
+  fail    train_gpt.py runs as __main__ (its own error handling), but rank 1 raises
+          RuntimeError("injected failure on rank 1") in its 3rd Adam step.
+
+The runs still log train_gpt.py's source: train_gpt.main() reads its own file.
+"""
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import train_gpt  # noqa: E402
+
+RANK = int(os.environ.get("RANK", 0))
+
+
+class NoSyncBuckets(train_gpt.GradientBuckets):
+    def _on_grad_ready(self, p):
+        pass
+
+    def wait_for_gradients(self):
+        self.steps += 1
+
+
+class RecordingBuckets(train_gpt.GradientBuckets):
+    instances = []
+
+    def __init__(self, params_in_ready_order, bucket_bytes):
+        super().__init__(params_in_ready_order, bucket_bytes)
+        self.num_params = len(params_in_ready_order)
+        self.hook_calls = 0  # within the current optimizer step
+        self.events = []
+        RecordingBuckets.instances.append(self)
+
+    def _on_grad_ready(self, p):
+        self.hook_calls += 1  # every backward fires each parameter's hook exactly once
+        before = list(self.handles)
+        super()._on_grad_ready(p)
+        for b, (old, new) in enumerate(zip(before, self.handles)):
+            if old is None and new is not None:
+                self.events.append(dict(step=self.steps, micro_step=(self.hook_calls - 1) // self.num_params,
+                                        bucket=b, last_micro_step=self.last_micro_step,
+                                        grads_ready=(self.hook_calls - 1) % self.num_params + 1))
+
+    def wait_for_gradients(self):
+        super().wait_for_gradients()
+        self.hook_calls = 0
+
+    def summary(self) -> dict:
+        return dict(num_params=self.num_params, steps=self.steps, reductions=self.reductions,
+                    bucket_shapes=[[list(p.shape) for p in bucket] for bucket in self.buckets], events=self.events)
+
+
+def fail_in_third_adam_step():
+    adam_step, calls = torch.optim.Adam.step, [0]
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if RANK == 1 and calls[0] == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return adam_step(self, *args, **kwargs)
+
+    torch.optim.Adam.step = step
+
+
+def run_train_gpt(argv):
+    try:
+        train_gpt.main(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main():
+    mode, argv = sys.argv[1], sys.argv[2:]
+    if mode == "nosync":
+        train_gpt.GradientBuckets = NoSyncBuckets
+        run_train_gpt(argv)
+    elif mode == "record":
+        train_gpt.GradientBuckets = RecordingBuckets
+        run_train_gpt(argv)
+        out = Path(os.environ["DIST_HELPERS_OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{RANK}.json").write_text(json.dumps([b.summary() for b in RecordingBuckets.instances]))
+    elif mode == "fail":
+        fail_in_third_adam_step()
+        sys.argv = [str(ROOT / "train_gpt.py"), *argv]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""train_gpt.py on the real launcher: torchrun spawns the ranks, gloo on CPU, the tiny fp32 model.
+
+One process and two train the same model on the same tokens. With batch_slots=2 the two computations
+are the same arithmetic (one process accumulates g0/2 + g1/2, two ranks average g0 and g1), so they
+agree to the bit; the tolerances asserted are the issue's (val loss 1e-4, parameters 1e-5). Where the
+sums run in a different order (more slots than ranks), float32 rounding differences are amplified by
+training (Muon orthogonalizes in bf16; Adam's tiny eps normalizes tiny gradients), so those runs are
+compared over 2 steps only. Runs that switch something off, record what the buckets do or inject a
+failure go through tests/dist_helpers.py, which imports train_gpt; each test prints what it measured
+(pytest -s).
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_RUN
+
+import train_gpt
+
+TRAIN_GPT = ROOT / "train_gpt.py"
+HELPERS = ROOT / "tests" / "dist_helpers.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ITERATIONS = 8
+VAL_EVERY = 2
+VAL_TOLERANCE = 1e-4 + 1e-4  # the issue's 1e-4, plus the log's rounding to 4 decimals (half a unit each side)
+PARAM_TOLERANCE = 1e-5
+LAUNCH_TIMEOUT = 240  # seconds; a launch that takes longer has hung
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d+) ", re.MULTILINE)
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    # two ranks on two cores: one thread each; the malloc settings ./run.sh uses on CPU
+    e.update(OMP_NUM_THREADS="1", MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="68719476736", PYTHONUNBUFFERED="1")
+    return e
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str  # stdout and stderr of the launcher and every rank
+    seconds: float
+    log_dir: Path
+    checkpoint: Path
+
+    @property
+    def logs(self) -> list[Path]:
+        return sorted(self.log_dir.glob("*.txt"))
+
+    @property
+    def log(self) -> str:
+        assert len(self.logs) == 1, f"expected one log (rank 0's), found {self.logs}"
+        return self.logs[0].read_text()
+
+    def val_losses(self) -> dict[int, float]:
+        body = self.log.split(train_gpt.SEPARATOR, 1)[1]  # after the logged source
+        return {int(m[1]): float(m[3]) for m in VAL_LINE.finditer(body)}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.checkpoint, map_location="cpu", weights_only=True)["model"]
+
+
+def start(cmd, cwd: Path, extra_env=None) -> subprocess.Popen:
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**env(), **(extra_env or {})}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session this test started
+        out, _ = proc.communicate()
+        pytest.fail(f"{proc.args[:6]} ... did not finish within {timeout}s; output:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def train_args(tmp: Path, batch_slots: int, *extra, iterations=ITERATIONS, val_every=VAL_EVERY) -> list[str]:
+    return [*TINY_RUN, f"--batch_slots={batch_slots}", f"--num_iterations={iterations}", f"--val_loss_every={val_every}",
+            "--save_checkpoint", "--run_id=run", f"--log_dir={tmp / 'logs'}", f"--checkpoint_dir={tmp / 'ckpt'}", *extra]
+
+
+def launch(tmp: Path, launcher: list, script: Path, args: list, mode: str | None = None, extra_env=None,
+           check: bool = True) -> Run:
+    tmp.mkdir(parents=True, exist_ok=True)
+    iterations = int(next(a for a in reversed(args) if a.startswith("--num_iterations=")).split("=")[1])
+    t0 = time.perf_counter()
+    code, out = finish(start([*launcher, script, *([mode] if mode else []), *args], tmp, extra_env), LAUNCH_TIMEOUT)
+    run = Run(code, out, time.perf_counter() - t0, tmp / "logs", tmp / "ckpt" / "run" / f"step_{iterations:06d}.pt")
+    if check:
+        assert code == 0, out[-4000:]
+    return run
+
+
+def torchrun(nproc: int) -> list:
+    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def assert_runs_agree(a: Run, b: Run) -> tuple[float, float]:
+    """The issue's criterion: val loss at every validation within 1e-4, final parameters within 1e-5.
+    Returns the largest differences seen."""
+    va, vb = a.val_losses(), b.val_losses()
+    assert sorted(va) == sorted(vb) and len(va) >= 3
+    val_diff = max(abs(va[s] - vb[s]) for s in va)
+    assert val_diff <= VAL_TOLERANCE, f"val losses differ by {val_diff:.2e}: {va} vs {vb}"
+    pa, pb = a.params(), b.params()
+    assert pa.keys() == pb.keys()
+    param_diff = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    for name in pa:
+        torch.testing.assert_close(pb[name], pa[name], atol=PARAM_TOLERANCE, rtol=0, msg=lambda m: f"{name}: {m}")
+    return val_diff, param_diff
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_shards, tmp_path_factory) -> Run:
+    """The reference: plain `python train_gpt.py`, world size 1, two micro-steps per step."""
+    tmp = tmp_path_factory.mktemp("one_process")
+    run = launch(tmp, [sys.executable], TRAIN_GPT, train_args(tmp, 2, *tiny_shards))
+    assert "distributed: world size 1, no gradient communication" in run.log
+    assert "batch: 2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps" in run.log
+    return run
+
+
+def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
+    two = launch(tmp_path, torchrun(2), TRAIN_GPT, train_args(tmp_path, 2, *tiny_shards))
+    log = two.log  # exactly one log: rank 1 writes none
+    assert log.startswith(TRAIN_GPT.read_text())
+    assert "hardware: 2x CPU" in log
+    assert "distributed: world size 2, backend gloo, " in log
+    assert "batch: 2 sequences x 128 tokens per step = 2 ranks x 1 micro-steps" in log
+    val_diff, param_diff = assert_runs_agree(one_process, two)
+    print(f"1 vs 2 processes: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
+
+
+def test_four_processes_train_like_one_for_two_steps(tiny_shards, tmp_path):
+    """4 ranks, one slot each, against one process accumulating 4 slots. Here the sums run in another
+    order (one process: ((g0 + g1) + g2) + g3; gloo: its own), so the runs differ by float32 rounding,
+    which Muon's bf16 orthogonalization amplifies: measured 1e-6 to 3e-6 in the parameters after a
+    2-step run, 2.5e-3 after a 3-step one. So the issue's tolerances are checked over 2 steps: lm_head
+    and embeddings (Adam), then the output projections (Muon, groups of 1 and 2 matrices padded to 4
+    ranks)."""
+    steps = dict(iterations=2, val_every=1)
+    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, **steps))
+    four = launch(tmp_path / "four", torchrun(4), TRAIN_GPT, train_args(tmp_path / "four", 4, *tiny_shards, **steps))
+    assert "batch: 4 sequences x 128 tokens per step = 4 ranks x 1 micro-steps" in four.log
+    val_diff, param_diff = assert_runs_agree(one, four)
+    print(f"1 vs 4 processes, 2 steps: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
+
+
+def test_without_gradient_sync_the_comparison_fails(one_process, tiny_shards, tmp_path):
+    """The same 2-process run with the bucket all-reduces switched off must fail assert_runs_agree."""
+    nosync = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 2, *tiny_shards), mode="nosync")
+    assert nosync.log.startswith(TRAIN_GPT.read_text())
+    with pytest.raises(AssertionError):
+        assert_runs_agree(one_process, nosync)
+    pa, pb = one_process.params(), nosync.params()
+    param_diff = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    va, vb = one_process.val_losses(), nosync.val_losses()
+    val_diff = max(abs(va[s] - vb[s]) for s in va)
+    print(f"sync off: max |d val loss| {val_diff:.1e}, max |d param| {param_diff:.1e}")
+    assert param_diff > 1000 * PARAM_TOLERANCE
+    assert val_diff > 10 * VAL_TOLERANCE
+
+
+def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards, tmp_path):
+    """4 slots on 2 ranks: 2 micro-steps per step. Small buckets, several holding more than one tensor."""
+    out = tmp_path / "events"
+    run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 4, *tiny_shards, "--bucket_mb=0.1"),
+                 mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
+    log = run.log
+    assert "batch: 4 sequences x 128 tokens per step = 2 ranks x 2 micro-steps" in log
+    num_buckets = int(re.search(r"distributed: world size 2, backend gloo, (\d+) gradient buckets of \[", log)[1])
+    assert num_buckets >= 3
+    # the counters the run logs
+    counted = re.search(r"gradient buckets: (\d+), all-reduces per bucket \[([\d, ]+)\] over (\d+) synchronized steps", log)
+    assert int(counted[1]) == num_buckets
+    assert [int(n) for n in counted[2].split(",")] == [ITERATIONS] * num_buckets
+    assert int(counted[3]) == ITERATIONS
+    # every launch, as each rank saw it
+    lm_head = [train_gpt.next_multiple(train_gpt.Hyperparameters.vocab_size, 128), 64]
+    for rank in (0, 1):
+        [record] = json.loads((out / f"rank{rank}.json").read_text())
+        assert len(record["bucket_shapes"]) == num_buckets
+        assert sum(len(b) > 1 for b in record["bucket_shapes"]) >= 2  # coalesced buckets are exercised
+        assert record["bucket_shapes"][0] == [lm_head]  # its gradient is ready first in backward
+        assert record["steps"] == ITERATIONS and record["reductions"] == [ITERATIONS] * num_buckets
+        events = record["events"]
+        assert all(e["last_micro_step"] and e["micro_step"] == 1 for e in events), events
+        for step in range(ITERATIONS):
+            # each bucket once, in the order its gradients become ready
+            assert [e["bucket"] for e in events if e["step"] == step] == list(range(num_buckets))
+        # overlap: the first bucket is on the wire before the last gradient of the backward is ready
+        assert all(e["grads_ready"] < record["num_params"] for e in events if e["bucket"] == 0)
+
+
+def test_a_failing_rank_brings_the_job_down(tiny_shards, tmp_path):
+    """Rank 1 raises in its 3rd step while rank 0 waits in a collective: torchrun must stop both."""
+    run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 2, *tiny_shards), mode="fail", check=False)
+    assert run.returncode != 0
+    assert "RuntimeError: injected failure on rank 1" in run.output
+    assert run.seconds < 90, f"took {run.seconds:.0f}s"  # the process group's own timeout is 10 minutes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_like_one_process(one_process, tiny_shards, tmp_path):
+    """Two torchrun invocations, one process each, meeting through c10d rendezvous on 127.0.0.1."""
+    port, rdzv_id = free_port(), uuid.uuid4().hex
+    args = train_args(tmp_path, 2, *tiny_shards)
+    t0 = time.perf_counter()
+    nodes = [start([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}", TRAIN_GPT, *args], tmp_path)
+             for node in (0, 1)]
+    try:
+        results = [finish(node, LAUNCH_TIMEOUT) for node in nodes]
+    finally:
+        for node in nodes:  # the other node, when one timed out
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.communicate()
+    for code, out in results:
+        assert code == 0, out[-4000:]
+    run = Run(0, "".join(out for _, out in results), time.perf_counter() - t0, tmp_path / "logs",
+              tmp_path / "ckpt" / "run" / f"step_{ITERATIONS:06d}.pt")
+    assert "distributed: world size 2, backend gloo, " in run.log  # one log: the node that got rank 0
+    val_diff, param_diff = assert_runs_agree(one_process, run)
+    print(f"2 nodes vs 1 process: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
+
+
+@pytest.mark.parametrize("world_size, batch_slots", [(3, 8), (16, 8), (3, 2), (4, 2)])
+def test_a_world_size_that_does_not_divide_the_batch_is_refused(world_size, batch_slots):
+    args, _ = train_gpt.parse_args([*TINY_RUN, f"--batch_slots={batch_slots}", "--val_tokens=49152"], "cpu")
+    with pytest.raises(train_gpt.ConfigError, match=rf"world size {world_size} must divide batch_slots={batch_slots}; use "):
+        train_gpt.check_hyperparameters(args, world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_the_divisors_of_the_batch_are_accepted(world_size):
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--batch_slots=8", "--val_tokens=1024"], "cpu")
+    train_gpt.check_hyperparameters(args, world_size)
+
+
+def test_allreduce_benchmark_prints_both_modes(tmp_path):
+    """tools/bench_allreduce.py at its smallest: it launches itself through torchrun and prints a row per mode."""
+    code, out = finish(start([sys.executable, ROOT / "tools" / "bench_allreduce.py", "--num_layers=2", "--model_dim=64",
+                              "--num_heads=1", "--head_dim=64", "--seq_len=128", "--steps=1", "--warmup=0",
+                              "--bucket_mb=0.1"], tmp_path), LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    assert re.search(r"^one all-reduce after backward +\d+\.\d +1\.00x$", out, re.MULTILINE), out
+    assert re.search(r"^bucketed hooks \(GradientBuckets\) +\d+\.\d +\d+\.\d\dx$", out, re.MULTILINE), out
+    assert re.search(r"^model: [\d,]+ parameters .*; (\d+) gradient buckets of ", out, re.MULTILINE), out
