@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import shards  # data/shards.py, on sys.path through conftest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "records.py"
@@ -33,14 +34,6 @@ TINY = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", 
 EDIT_SUFFIX = "  (edited by tests/test_records.py)"
 
 
-def _write_shard(path: Path, tokens: np.ndarray):
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = [20240520, 1, len(tokens)]
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-
-
 def _known_edit(source: str) -> tuple[str, str]:
     """A comment line that occurs once in the source, and the same line with a note appended."""
     lines = source.splitlines()
@@ -58,7 +51,7 @@ def runs(tmp_path_factory):
         tokens = rng.integers(0, 50256, n)
         tokens[rng.random(n) < 0.005] = 50256  # document separators
         tokens[0] = 50256
-        _write_shard(tmp / f"tiny_{name}_000000.bin", tokens)
+        shards.write_shard(tmp / f"tiny_{name}_000000.bin", tokens)
 
     source = (ROOT / "train_gpt.py").read_text()
     old, new = _known_edit(source)
