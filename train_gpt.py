@@ -226,9 +226,10 @@ ORTHOGONALIZATION_STEPS = 5
 ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 
 
-def orthogonalize(G: Tensor, method: str = "polar_express") -> Tensor:
-    """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor), in bf16."""
-    X = G.bfloat16()
+def orthogonalize(G: Tensor, method: str = "polar_express", dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor), computed
+    in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding amplifies tiny differences)."""
+    X = G.to(dtype)
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -256,15 +257,15 @@ class Muon(torch.optim.Optimizer):
     update. A single process is world size 1: the same code with no communication.
     """
 
-    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True,
-                 method: str = "polar_express", rank: int = 0, world_size: int = 1):
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "polar_express",
+                 dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1):
         if method not in ORTHOGONALIZERS:
             raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
         params = list(params)
         shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
         groups = [dict(params=[p for p in params if tuple(p.shape) == s]) for s in shapes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov))
-        self.method, self.rank, self.world_size = method, rank, world_size
+        self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
 
     @torch.no_grad()
     def step(self):
@@ -277,11 +278,11 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
             share = -(-len(params) // self.world_size)
             mine = params[self.rank * share:(self.rank + 1) * share]
-            local = params[0].new_zeros((share, *params[0].shape), dtype=torch.bfloat16)
+            local = params[0].new_zeros((share, *params[0].shape), dtype=self.dtype)
             if mine:
                 bufs = [self.state[p]["momentum_buffer"] for p in mine]
                 grads = [p.grad.lerp(b, momentum) for p, b in zip(mine, bufs)] if group["nesterov"] else bufs
-                local[:len(mine)] = orthogonalize(torch.stack(grads), self.method)
+                local[:len(mine)] = orthogonalize(torch.stack(grads), self.method, self.dtype)
             if self.world_size > 1:
                 updates = local.new_empty((share * self.world_size, *local.shape[1:]))
                 dist.all_gather_into_tensor(updates, local)
@@ -533,16 +534,23 @@ class GPT(nn.Module):
 
 
 class GradientBuckets:
-    """All-reduce (average) of gradients in buckets of about bucket_bytes, overlapped with backward.
+    """Gradient averaging over ranks in buckets of about bucket_bytes, launched during backward.
 
     Parameters are packed in the order their gradients become ready; a bucket closes when full or
     when the dtype changes (a bucket is one flat buffer). On the last micro-step of an optimizer
     step, each parameter's post-accumulate-grad hook counts its bucket's ready gradients, and the
     hook completing a bucket launches its async all-reduce. Earlier micro-steps only accumulate.
     wait_for_gradients() waits for every bucket, copies the averages back and resets the counts.
+
+    With sum_dtype=torch.float64, every micro-step's gradients are added into float64 buffers (and
+    the parameters' .grad dropped), and the all-reduce runs in float64 too. A sum of a few float32 or
+    bfloat16 numbers is exact in float64, so the order of the sum no longer matters: 1, 2, 4 or 8
+    processes get the same gradient bits. World size 1 uses the same accumulation, without communication.
     """
 
-    def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int):
+    def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
+                 sum_dtype: torch.dtype | None = None):
+        self.world_size, self.sum_dtype = world_size, sum_dtype
         self.buckets: list[list[nn.Parameter]] = []
         size, dtype = bucket_bytes, None
         for p in params_in_ready_order:
@@ -550,11 +558,14 @@ class GradientBuckets:
                 self.buckets.append([])
                 size, dtype = 0, p.dtype
             self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+            size += p.numel() * self._wire_bytes(p)
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
-        self.flat = [torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-                     if len(bucket) > 1 else None for bucket in self.buckets]
+        self.offset_of = {p: sum(q.numel() for q in bucket[:i])
+                          for bucket in self.buckets for i, p in enumerate(bucket)}
+        self.flat = [torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype or bucket[0].dtype, device=bucket[0].device)
+                     if sum_dtype is not None or len(bucket) > 1 else None for bucket in self.buckets]
         self.ready = [0] * len(self.buckets)
+        self.complete = [False] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.reductions = [0] * len(self.buckets)  # all-reduces launched per bucket over the run
         self.steps = 0  # optimizer steps synchronized
@@ -562,37 +573,58 @@ class GradientBuckets:
         for p in params_in_ready_order:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def _wire_bytes(self, p: nn.Parameter) -> int:
+        return p.element_size() if self.sum_dtype is None else self.sum_dtype.itemsize
+
     def bucket_bytes(self) -> list[int]:
-        return [sum(p.numel() * p.element_size() for p in bucket) for bucket in self.buckets]
+        return [sum(p.numel() * self._wire_bytes(p) for p in bucket) for bucket in self.buckets]
+
+    def _slice(self, p: nn.Parameter) -> Tensor:
+        start = self.offset_of[p]
+        return self.flat[self.bucket_of[p]][start:start + p.numel()]
 
     def _on_grad_ready(self, p: nn.Parameter):
+        if self.sum_dtype is not None:
+            self._slice(p).add_(p.grad.reshape(-1))
+            p.grad = None
         if not self.last_micro_step:
             return
         b = self.bucket_of[p]
         self.ready[b] += 1
-        if self.ready[b] == len(self.buckets[b]):
-            if self.handles[b] is not None:
-                raise RuntimeError(f"gradient bucket {b} completed twice in one step")
-            if self.flat[b] is None:
-                tensor = p.grad
-            else:
-                tensor = self.flat[b]
+        if self.ready[b] < len(self.buckets[b]):
+            return
+        if self.complete[b]:
+            raise RuntimeError(f"gradient bucket {b} completed twice in one step")
+        self.complete[b] = True
+        if self.world_size == 1:
+            return
+        if self.flat[b] is None:
+            tensor = p.grad
+        else:
+            tensor = self.flat[b]
+            if self.sum_dtype is None:
                 torch.cat([q.grad.view(-1) for q in self.buckets[b]], out=tensor)
-            self.handles[b] = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
-            self.reductions[b] += 1
+        self.handles[b] = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+        self.reductions[b] += 1
 
     def wait_for_gradients(self):
-        for b, handle in enumerate(self.handles):
-            if handle is None:
-                raise RuntimeError(f"gradient bucket {b} was not reduced: {len(self.buckets[b]) - self.ready[b]} "
-                                   f"of its {len(self.buckets[b])} parameters got no gradient this step")
-            handle.wait()
-            if self.flat[b] is not None:
-                offset = 0
-                for p in self.buckets[b]:
-                    p.grad.view(-1).copy_(self.flat[b][offset:offset + p.numel()])
-                    offset += p.numel()
+        for b, bucket in enumerate(self.buckets):
+            if not self.complete[b]:
+                raise RuntimeError(f"gradient bucket {b} was not reduced: {len(bucket) - self.ready[b]} "
+                                   f"of its {len(bucket)} parameters got no gradient this step")
+            if self.handles[b] is not None:
+                self.handles[b].wait()
+            if self.flat[b] is None:
+                continue
+            for p in bucket:
+                if self.sum_dtype is None:
+                    p.grad.view(-1).copy_(self._slice(p))
+                else:
+                    p.grad = self._slice(p).view_as(p).to(p.dtype, copy=True)
+            if self.sum_dtype is not None:
+                self.flat[b].zero_()
         self.ready = [0] * len(self.buckets)
+        self.complete = [False] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.steps += 1
 
@@ -742,11 +774,12 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
     orthogonalizer: str = "polar_express"  # Muon's orthogonalization: polar_express or newton_schulz
     # systems
-    dtype: str = "bfloat16"  # activations and embedding storage: bfloat16, or float32 for exact comparisons
+    dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, or float32 to compare runs
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
+    exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
     seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
     # run
     run_id: str = ""  # log and checkpoint name; default: a new uuid
@@ -774,6 +807,7 @@ PRESETS = {
         head_dim=128,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
         muon_momentum_warmup_steps=30,
+        exact_grad_sum=True,  # 1, 2, 4 or 8 processes get the same gradient bits (160 MB of float64 buffers)
         compile=False,
         warmup_steps=0,
     ),
@@ -781,7 +815,8 @@ PRESETS = {
 
 # Settings that may differ between a checkpoint and the run resuming it.
 RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
-                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb"}
+                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
+                     "exact_grad_sum"}
 
 
 class ConfigError(ValueError):
@@ -879,7 +914,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                              dict(params=[model.scalars], lr=args.scalar_lr)],
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
-                rank=rank, world_size=world_size)
+                dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32, rank=rank, world_size=world_size)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1034,8 +1069,10 @@ def train(args: Hyperparameters, preset: str, run_id: str, source: str, log: Run
 
     # Gradient synchronization: the training loop only calls wait_for_gradients()
     buckets = None
+    if world_size > 1 or args.exact_grad_sum:
+        buckets = GradientBuckets(list(reversed(list(model.parameters()))), int(args.bucket_mb * 1e6), world_size,
+                                  torch.float64 if args.exact_grad_sum else None)
     if world_size > 1:
-        buckets = GradientBuckets(list(reversed(list(model.parameters()))), int(args.bucket_mb * 1e6))
         log(f"distributed: world size {world_size}, backend {dist.get_backend()}, {len(buckets.buckets)} gradient "
             f"buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB", console=False)
     else:
@@ -1043,6 +1080,9 @@ def train(args: Hyperparameters, preset: str, run_id: str, source: str, log: Run
     grad_accum_steps = args.batch_slots // world_size
     log(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {world_size} ranks x "
         f"{grad_accum_steps} micro-steps", console=False)
+    log("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
+        if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in another "
+        "order (exact_grad_sum=false)", console=False)
 
     compiled = torch.compile(model, dynamic=False) if args.compile else model
     val_entropy = unigram_entropy(val_sequences, args.vocab_size)

@@ -43,8 +43,8 @@ class NoSyncBuckets(train_gpt.GradientBuckets):
 class RecordingBuckets(train_gpt.GradientBuckets):
     instances = []
 
-    def __init__(self, params_in_ready_order, bucket_bytes):
-        super().__init__(params_in_ready_order, bucket_bytes)
+    def __init__(self, params_in_ready_order, *args):
+        super().__init__(params_in_ready_order, *args)
         self.num_params = len(params_in_ready_order)
         self.hook_calls = 0  # within the current optimizer step
         self.events = []

@@ -1,13 +1,13 @@
 """train_gpt.py on the real launcher: torchrun spawns the ranks, gloo on CPU, the tiny fp32 model.
 
-One process and two train the same model on the same tokens. With batch_slots=2 the two computations
-are the same arithmetic (one process accumulates g0/2 + g1/2, two ranks average g0 and g1), so they
-agree to the bit; the tolerances asserted are the issue's (val loss 1e-4, parameters 1e-5). Where the
-sums run in a different order (more slots than ranks), float32 rounding differences are amplified by
-training (Muon orthogonalizes in bf16; Adam's tiny eps normalizes tiny gradients), so those runs are
-compared over 2 steps only. Runs that switch something off, record what the buckets do or inject a
-failure go through tests/dist_helpers.py, which imports train_gpt; each test prints what it measured
-(pytest -s).
+One process and two (or four) train the same model on the same tokens. The tiny runs use the cpu
+preset, whose exact_grad_sum sums micro-step gradients and all-reduces them in float64: exact for a
+few float32 terms, so the order of the sum (one process: g0 + g1 + g2 + g3; two ranks: (g0 + g1) +
+(g2 + g3)) does not change a bit. Every launch here runs one thread per process, so the runs agree
+to the bit, with any number of micro-steps per rank; the issue's tolerances (val loss 1e-4,
+parameters 1e-5) are asserted, and bit-identity where exact_grad_sum is on. Runs that switch
+something off, record what the buckets do or inject a failure go through tests/dist_helpers.py,
+which imports train_gpt; each test prints what it measured (pytest -s).
 """
 
 import json
@@ -144,19 +144,34 @@ def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
     print(f"1 vs 2 processes: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
 
 
-def test_four_processes_train_like_one_for_two_steps(tiny_shards, tmp_path):
-    """4 ranks, one slot each, against one process accumulating 4 slots. Here the sums run in another
-    order (one process: ((g0 + g1) + g2) + g3; gloo: its own), so the runs differ by float32 rounding,
-    which Muon's bf16 orthogonalization amplifies: measured 1e-6 to 3e-6 in the parameters after a
-    2-step run, 2.5e-3 after a 3-step one. So the issue's tolerances are checked over 2 steps: lm_head
-    and embeddings (Adam), then the output projections (Muon, groups of 1 and 2 matrices padded to 4
-    ranks)."""
-    steps = dict(iterations=2, val_every=1)
-    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, **steps))
-    four = launch(tmp_path / "four", torchrun(4), TRAIN_GPT, train_args(tmp_path / "four", 4, *tiny_shards, **steps))
-    assert "batch: 4 sequences x 128 tokens per step = 4 ranks x 1 micro-steps" in four.log
-    val_diff, param_diff = assert_runs_agree(one, four)
-    print(f"1 vs 4 processes, 2 steps: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
+@pytest.mark.parametrize("nproc, batch_slots", [(2, 8), (4, 4)])
+def test_processes_with_accumulation_train_like_one(nproc, batch_slots, tiny_shards, tmp_path):
+    """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps:
+    the sums run in other orders, which exact_grad_sum makes irrelevant."""
+    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", batch_slots, *tiny_shards))
+    assert "gradient sum: float64 over micro-steps and ranks" in one.log
+    many = launch(tmp_path / "many", torchrun(nproc), TRAIN_GPT, train_args(tmp_path / "many", batch_slots, *tiny_shards))
+    assert (f"batch: {batch_slots} sequences x 128 tokens per step = {nproc} ranks x {batch_slots // nproc} micro-steps"
+            in many.log)
+    val_diff, param_diff = assert_runs_agree(one, many)
+    print(f"1 vs {nproc} processes, {batch_slots} slots: max |d val loss| {val_diff:.1e} (logged), "
+          f"max |d param| {param_diff:.1e}")
+    assert param_diff == 0  # the float64 sums are exact: the order of micro-steps and ranks cannot show
+
+
+def test_without_the_float64_sum_the_order_shows(tiny_shards, tmp_path):
+    """The same 1 vs 2 x 4 micro-steps comparison with exact_grad_sum=false: float32 sums in another
+    order, so the runs are no longer bit-identical (the test above is not trivially true)."""
+    runs = {}
+    for name, launcher in (("one", [sys.executable]), ("two", torchrun(2))):
+        runs[name] = launch(tmp_path / name, launcher, TRAIN_GPT,
+                            train_args(tmp_path / name, 8, *tiny_shards, "--exact_grad_sum=false"))
+    one, two = runs["one"], runs["two"]
+    assert "gradient sum: in the parameters' dtypes" in two.log
+    pa, pb = one.params(), two.params()
+    param_diff = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    print(f"exact_grad_sum=false, 1 vs 2 processes, 8 slots: max |d param| {param_diff:.1e}")
+    assert param_diff > 0
 
 
 def test_without_gradient_sync_the_comparison_fails(one_process, tiny_shards, tmp_path):
@@ -177,7 +192,7 @@ def test_without_gradient_sync_the_comparison_fails(one_process, tiny_shards, tm
 def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards, tmp_path):
     """4 slots on 2 ranks: 2 micro-steps per step. Small buckets, several holding more than one tensor."""
     out = tmp_path / "events"
-    run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 4, *tiny_shards, "--bucket_mb=0.1"),
+    run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 4, *tiny_shards, "--bucket_mb=0.2"),
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
     log = run.log
     assert "batch: 4 sequences x 128 tokens per step = 2 ranks x 2 micro-steps" in log
@@ -241,6 +256,59 @@ def test_two_nodes_train_like_one_process(one_process, tiny_shards, tmp_path):
     assert "distributed: world size 2, backend gloo, " in run.log  # one log: the node that got rank 0
     val_diff, param_diff = assert_runs_agree(one_process, run)
     print(f"2 nodes vs 1 process: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
+
+
+def exact_sum_fixture(seed: int = 0):
+    """Three parameters in two dtypes (so two buckets) and, per micro-step, a coefficient tensor whose
+    magnitudes span 2^-20..2^20: loss = sum(p * c) makes c the gradient, and float32 sums of such
+    numbers depend on their order."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+              ((1000, torch.float32), (300, torch.float32), (500, torch.bfloat16))]
+    coeffs = [[(torch.randn(p.numel(), generator=g) * 2.0 ** torch.randint(-20, 21, (p.numel(),), generator=g))
+               .to(p.dtype) for p in params] for _ in range(6)]
+    return params, coeffs
+
+
+def accumulate(params, coeffs, order, buckets=None) -> list[torch.Tensor]:
+    for i, k in enumerate(order):
+        if buckets is not None:
+            buckets.last_micro_step = i == len(order) - 1
+        sum((p * c).sum().float() for p, c in zip(params, coeffs[k])).backward()
+    if buckets is not None:
+        buckets.wait_for_gradients()
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def test_float64_gradient_sum_is_exact_and_independent_of_the_order():
+    """exact_grad_sum in one process: GradientBuckets with sum_dtype=float64 and world size 1 must give
+    the float64 sum of the micro-step gradients, rounded once, whatever the order of the micro-steps,
+    where autograd's own float32/bfloat16 accumulation gives different bits in another order."""
+    params, coeffs = exact_sum_fixture()
+    native = [accumulate(params, coeffs, order) for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 4, 2])]
+    assert any(not torch.equal(a, b) for a, b in zip(*native))  # the data can tell orders apart
+    buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1,
+                                        sum_dtype=torch.float64)
+    assert len(buckets.buckets) == 2  # the bfloat16 parameter is a bucket of its own
+    reference = [sum(coeffs[k][i].double() for k in range(6)).to(p.dtype) for i, p in enumerate(params)]
+    for step, order in enumerate(([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 4, 2], [2, 4, 0, 5, 1, 3])):
+        grads = accumulate(params, coeffs, order, buckets)
+        for grad, ref, p in zip(grads, reference, params):
+            assert grad.dtype == p.dtype
+            assert torch.equal(grad, ref), f"step {step}: {(grad.double() - ref.double()).abs().max():.3e}"
+    assert buckets.steps == 3 and buckets.reductions == [0, 0]  # world size 1: nothing on the wire
+
+
+def test_a_parameter_without_gradient_is_reported():
+    params, coeffs = exact_sum_fixture()
+    buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1,
+                                        sum_dtype=torch.float64)
+    sum((p * c).sum().float() for p, c in zip(params[:2], coeffs[0][:2])).backward()  # params[2] unused
+    with pytest.raises(RuntimeError, match=r"gradient bucket 0 was not reduced: 1 of its 1 parameters got no gradient"):
+        buckets.wait_for_gradients()
 
 
 @pytest.mark.parametrize("world_size, batch_slots", [(3, 8), (16, 8), (3, 2), (4, 2)])

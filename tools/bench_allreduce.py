@@ -70,7 +70,7 @@ def bench(args):
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     params = list(model.parameters())
-    buckets = train_gpt.GradientBuckets(list(reversed(params)), int(args.bucket_mb * 1e6))
+    buckets = train_gpt.GradientBuckets(list(reversed(params)), int(args.bucket_mb * 1e6), world_size)
     by_dtype = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
