@@ -565,7 +565,6 @@ class GradientBuckets:
         self.flat = [torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype or bucket[0].dtype, device=bucket[0].device)
                      if sum_dtype is not None or len(bucket) > 1 else None for bucket in self.buckets]
         self.ready = [0] * len(self.buckets)
-        self.complete = [False] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.reductions = [0] * len(self.buckets)  # all-reduces launched per bucket over the run
         self.steps = 0  # optimizer steps synchronized
@@ -591,12 +590,9 @@ class GradientBuckets:
             return
         b = self.bucket_of[p]
         self.ready[b] += 1
-        if self.ready[b] < len(self.buckets[b]):
-            return
-        if self.complete[b]:
-            raise RuntimeError(f"gradient bucket {b} completed twice in one step")
-        self.complete[b] = True
-        if self.world_size == 1:
+        if self.ready[b] > len(self.buckets[b]):
+            raise RuntimeError(f"gradient bucket {b} got more gradients than it has parameters in one step")
+        if self.ready[b] < len(self.buckets[b]) or self.world_size == 1:
             return
         if self.flat[b] is None:
             tensor = p.grad
@@ -609,7 +605,7 @@ class GradientBuckets:
 
     def wait_for_gradients(self):
         for b, bucket in enumerate(self.buckets):
-            if not self.complete[b]:
+            if self.ready[b] < len(bucket):
                 raise RuntimeError(f"gradient bucket {b} was not reduced: {len(bucket) - self.ready[b]} "
                                    f"of its {len(bucket)} parameters got no gradient this step")
             if self.handles[b] is not None:
@@ -624,7 +620,6 @@ class GradientBuckets:
             if self.sum_dtype is not None:
                 self.flat[b].zero_()
         self.ready = [0] * len(self.buckets)
-        self.complete = [False] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.steps += 1
 
@@ -813,6 +808,8 @@ PRESETS = {
     ),
 }
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # the values of Hyperparameters.dtype
+
 # Settings that may differ between a checkpoint and the run resuming it.
 RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
                      "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
@@ -882,8 +879,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
                           f"({args.val_seq_len} x {world_size})")
     if args.orthogonalizer not in ORTHOGONALIZERS:
         raise ConfigError(f"orthogonalizer={args.orthogonalizer!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
-    if args.dtype not in ("bfloat16", "float32"):
-        raise ConfigError(f"dtype={args.dtype!r}; choose bfloat16 or float32")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"dtype={args.dtype!r}; choose {' or '.join(DTYPES)}")
     if not 0 <= args.cooldown_frac <= 1:
         raise ConfigError(f"cooldown_frac={args.cooldown_frac} must be within [0, 1]")
     if args.num_iterations < 1:
@@ -914,7 +911,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                              dict(params=[model.scalars], lr=args.scalar_lr)],
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
-                dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32, rank=rank, world_size=world_size)
+                dtype=DTYPES[args.dtype], rank=rank, world_size=world_size)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1035,7 +1032,7 @@ def train(args: Hyperparameters, preset: str, run_id: str, source: str, log: Run
         log(f"  {name}: {value!r}", console=False)
 
     # Fast paths: chosen once, each logged with why it is on or off.
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    dtype = DTYPES[args.dtype]
     fp8_ok, fp8_why = fp8_supported(device)
     use_fp8 = args.fp8 and fp8_ok
     backend = "flex" if device.type == "cuda" else "sdpa"

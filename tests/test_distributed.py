@@ -258,7 +258,7 @@ def test_two_nodes_train_like_one_process(one_process, tiny_shards, tmp_path):
     print(f"2 nodes vs 1 process: max |d val loss| {val_diff:.1e} (logged), max |d param| {param_diff:.1e}")
 
 
-def exact_sum_fixture(seed: int = 0):
+def order_sensitive_gradients(seed: int = 0):
     """Three parameters in two dtypes (so two buckets) and, per micro-step, a coefficient tensor whose
     magnitudes span 2^-20..2^20: loss = sum(p * c) makes c the gradient, and float32 sums of such
     numbers depend on their order."""
@@ -287,7 +287,7 @@ def test_float64_gradient_sum_is_exact_and_independent_of_the_order():
     """exact_grad_sum in one process: GradientBuckets with sum_dtype=float64 and world size 1 must give
     the float64 sum of the micro-step gradients, rounded once, whatever the order of the micro-steps,
     where autograd's own float32/bfloat16 accumulation gives different bits in another order."""
-    params, coeffs = exact_sum_fixture()
+    params, coeffs = order_sensitive_gradients()
     native = [accumulate(params, coeffs, order) for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 4, 2])]
     assert any(not torch.equal(a, b) for a, b in zip(*native))  # the data can tell orders apart
     buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1,
@@ -303,12 +303,20 @@ def test_float64_gradient_sum_is_exact_and_independent_of_the_order():
 
 
 def test_a_parameter_without_gradient_is_reported():
-    params, coeffs = exact_sum_fixture()
+    params, coeffs = order_sensitive_gradients()
     buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1,
                                         sum_dtype=torch.float64)
     sum((p * c).sum().float() for p, c in zip(params[:2], coeffs[0][:2])).backward()  # params[2] unused
     with pytest.raises(RuntimeError, match=r"gradient bucket 0 was not reduced: 1 of its 1 parameters got no gradient"):
         buckets.wait_for_gradients()
+
+
+def test_a_second_backward_on_the_last_micro_step_is_reported():
+    params, coeffs = order_sensitive_gradients()
+    buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1)
+    sum((p * c).sum().float() for p, c in zip(params, coeffs[0])).backward()
+    with pytest.raises(RuntimeError, match=r"gradient bucket 0 got more gradients than it has parameters in one step"):
+        sum((p * c).sum().float() for p, c in zip(params, coeffs[0])).backward()
 
 
 @pytest.mark.parametrize("world_size, batch_slots", [(3, 8), (16, 8), (3, 2), (4, 2)])
