@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import inspect
 import math
 import os
 import platform
@@ -115,18 +116,25 @@ LOGIT_SOFTCAP_SPREAD = 7.5
 LM_HEAD_WEIGHT_BOUND = 24.0  # the record's bound on |lm_head weight|: w_s = 24/448
 
 
-def lm_head_fp8_scales(model_dim: int) -> tuple[float, float, float]:
-    # x is RMS-normed, so every element is at most sqrt(width) in magnitude.
+FP8_GRAD_SCALES = ("record", "e5m2_bound")  # the values of Hyperparameters.fp8_grad_scale
+
+
+def lm_head_fp8_scales(model_dim: int, grad_scale: str = "record") -> tuple[float, float, float]:
+    """(x, w, grad) scales of the lm_head's FP8 matmul: x is RMS-normed, so every element is at most
+    sqrt(width) in magnitude; |w| stays under the record's bound of 24."""
     x_scale = model_dim**0.5 / E4M3_MAX
     w_scale = LM_HEAD_WEIGHT_BOUND / E4M3_MAX
+    if grad_scale == "record":
+        return x_scale, w_scale, 1 / E4M3_MAX  # the published record's value
+    if grad_scale != "e5m2_bound":
+        raise ValueError(f"unknown fp8_grad_scale {grad_scale!r}; choose one of {', '.join(FP8_GRAD_SCALES)}")
     # The gradient reaching the matmul output z is dCE/dlogit * dlogit/dz. Cross-entropy gives at
     # most 1 per element (summed loss, divided by the accumulation steps), and the softcap's slope
-    # is at most LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * sqrt(width)) = 1/sqrt(width). We map that
-    # bound onto e5m2's max (57344) instead of the record's 1/448, which left ~12 binades unused at
-    # the top and flushed gradients below ~3e-8 to zero; here they survive down to ~1e-11.
+    # is at most LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * sqrt(width)) = 1/sqrt(width). Mapping
+    # that bound onto e5m2's max (57344) uses the ~12 binades that 1/448 leaves free at the top, so
+    # gradients survive down to ~1e-11 instead of flushing to zero below ~3e-8.
     grad_bound = LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * model_dim**0.5)
-    grad_scale = grad_bound / E5M2_MAX
-    return x_scale, w_scale, grad_scale
+    return x_scale, w_scale, grad_bound / E5M2_MAX
 
 
 def _fp8_forward(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,15 +158,16 @@ def _fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
 
 
 @functools.cache
-def _fused(fn):
-    """On CUDA the scaling and casts are compiled so they fuse (made on first use: importing stays cheap)."""
+def compiled_on_first_use(fn):
+    """fn under torch.compile, for CUDA paths that run outside the compiled model (the FP8 scaling and
+    casts, which then fuse; Muon's orthogonalization). Made on first use: importing stays cheap."""
     return torch.compile(fn, dynamic=False)
 
 
 @torch.library.custom_op("nanogpt::fp8_mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x @ w.T in FP8 -> (bf16 result, x in e4m3, w in e4m3). x: (N, in), w: (out, in)."""
-    return (_fused(_fp8_forward) if x.is_cuda else _fp8_forward)(x, w, x_s, w_s)
+    return (compiled_on_first_use(_fp8_forward) if x.is_cuda else _fp8_forward)(x, w, x_s, w_s)
 
 
 @fp8_mm.register_fake
@@ -171,7 +180,7 @@ def _(x, w, x_s, w_s, grad_s):
 @torch.library.custom_op("nanogpt::fp8_mm_backward", mutates_args=())
 def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm: (grad_x in bf16, grad_w in fp32)."""
-    return (_fused(_fp8_backward) if g.is_cuda else _fp8_backward)(g, x_f8, w_f8, x_s, w_s, grad_s)
+    return (compiled_on_first_use(_fp8_backward) if g.is_cuda else _fp8_backward)(g, x_f8, w_f8, x_s, w_s, grad_s)
 
 
 @fp8_mm_backward.register_fake
@@ -226,7 +235,7 @@ ORTHOGONALIZATION_STEPS = 5
 ORTHOGONALIZERS = ("polar_express", "newton_schulz")
 
 
-def orthogonalize(G: Tensor, method: str = "polar_express", dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor), computed
     in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding amplifies tiny differences)."""
     X = G.to(dtype)
@@ -248,50 +257,90 @@ def orthogonalize(G: Tensor, method: str = "polar_express", dtype: torch.dtype =
     return X.mT if transposed else X
 
 
+def orthogonalization_flops(shape) -> int:
+    """Matmul FLOPs of orthogonalize() on one parameter: per iteration X X^T, A A and B X on the
+    short side m of each (m, n) matrix, i.e. 4 m^2 n + 2 m^3."""
+    *batch, rows, cols = shape
+    m, n = min(rows, cols), max(rows, cols)
+    return math.prod(batch) * ORTHOGONALIZATION_STEPS * (4 * m * m * n + 2 * m**3)
+
+
+def deal_by_cost(costs: list[int], world_size: int) -> list[list[int]]:
+    """Indices of costs dealt to world_size ranks, largest first, each to the least-loaded rank (lowest
+    rank on ties), so every rank gets about the same total. Each rank's list is largest first."""
+    loads, dealt = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        rank = loads.index(min(loads))
+        dealt[rank].append(i)
+        loads[rank] += costs[i]
+    return dealt
+
+
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden weight matrices (..., rows, cols).
 
-    Parameters of one shape form a group. Every rank keeps momentum for every parameter (cheap, and
-    checkpoints do not depend on the world size), but each rank orthogonalizes only its share of
-    each group, as one batch, and the shares are all-gathered, so every rank applies the same
-    update. A single process is world size 1: the same code with no communication.
+    Every rank keeps momentum for every parameter (cheap, and checkpoints do not depend on the world
+    size), but orthogonalizes only the matrices dealt to it, balanced by FLOPs. Matrices go in rounds:
+    round r holds each rank's r-th matrix; a round's results are all-gathered asynchronously while the
+    next round computes, then applied. Every rank applies the same updates, and each matrix is
+    orthogonalized alone, so its update has the same bits at any world size. A single process is
+    world size 1: the same code with no communication. On CUDA the orthogonalization is compiled.
     """
 
-    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "polar_express",
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1):
         if method not in ORTHOGONALIZERS:
             raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
-        params = list(params)
-        shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
-        groups = [dict(params=[p for p in params if tuple(p.shape) == s]) for s in shapes]
-        super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov))
+        # Larger matrices first: rounds then pair matrices of similar size, wasting little padding.
+        params = sorted(params, key=lambda p: -p.numel())
+        super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov))
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
+        dealt = deal_by_cost([orthogonalization_flops(p.shape) for p in params], world_size)
+        self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank orthogonalizes
+        self.rounds = [[mine[r] if r < len(mine) else None for mine in self.dealt]
+                       for r in range(max(map(len, self.dealt)))]
+
+    def _orthogonalize(self, update: Tensor) -> Tensor:
+        return (compiled_on_first_use(orthogonalize) if update.is_cuda else orthogonalize)(update, self.method, self.dtype)
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
-            params, momentum = group["params"], group["momentum"]
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
-            share = -(-len(params) // self.world_size)
-            mine = params[self.rank * share:(self.rank + 1) * share]
-            local = params[0].new_zeros((share, *params[0].shape), dtype=self.dtype)
-            if mine:
-                bufs = [self.state[p]["momentum_buffer"] for p in mine]
-                grads = [p.grad.lerp(b, momentum) for p, b in zip(mine, bufs)] if group["nesterov"] else bufs
-                local[:len(mine)] = orthogonalize(torch.stack(grads), self.method, self.dtype)
+        group = self.param_groups[0]
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        for p in group["params"]:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+        in_flight = None
+        for round_params in self.rounds:
+            size = max(p.numel() for p in round_params if p is not None)
+            local = round_params[self.rank]
+            out = torch.zeros(size, dtype=self.dtype, device=group["params"][0].device)
+            if local is not None:
+                buf = self.state[local]["momentum_buffer"]
+                update = local.grad.lerp(buf, momentum) if nesterov else buf
+                out[:local.numel()] = self._orthogonalize(update).flatten()
             if self.world_size > 1:
-                updates = local.new_empty((share * self.world_size, *local.shape[1:]))
-                dist.all_gather_into_tensor(updates, local)
+                gathered = out.new_empty(size * self.world_size)
+                handle = dist.all_gather_into_tensor(gathered, out, async_op=True)
             else:
-                updates = local
-            rows, cols = params[0].shape[-2:]
-            step_size = group["lr"] * max(1.0, rows / cols) ** 0.5
-            for p, update in zip(params, updates):
-                p.add_(update.to(p.dtype), alpha=-step_size)
+                gathered, handle = out, None
+            if in_flight is not None:  # apply the previous round while this one is gathered
+                self._apply(*in_flight, group["lr"])
+            in_flight = (round_params, gathered, handle, size)
+        if in_flight is not None:
+            self._apply(*in_flight, group["lr"])
+
+    @staticmethod
+    def _apply(round_params: list, gathered: Tensor, handle, size: int, lr: float):
+        if handle is not None:
+            handle.wait()
+        for k, p in enumerate(round_params):
+            if p is not None:
+                rows, cols = p.shape[-2:]
+                update = gathered[k * size:k * size + p.numel()].view_as(p)
+                p.add_(update.to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,7 +455,10 @@ def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
 def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     """Attention over (B, H, T, D) with a mask from attention_masks()."""
     if isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, scale=scale)
+        # Outside a compiled graph, flex_attention runs a reference path that materializes every
+        # score (tens of GB at the record's 48K tokens); its compiled kernel alone does not.
+        kernel = flex_attention if torch.compiler.is_compiling() else compiled_on_first_use(flex_attention)
+        return kernel(q, k, v, block_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -486,7 +538,7 @@ class GPT(nn.Module):
     order in which gradients become ready in backward (the bucketing relies on it)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, attention_backend: str = "sdpa"):
+                 max_seq_len: int, attention_backend: str = "sdpa", fp8_grad_scale: str = "record"):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
@@ -507,7 +559,7 @@ class GPT(nn.Module):
         ]))
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention)
                                     for i in range(num_layers))
-        self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128), lm_head_fp8_scales(model_dim))
+        self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128), lm_head_fp8_scales(model_dim, fp8_grad_scale))
         self.lm_head.weight.detach().zero_()
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
@@ -767,12 +819,13 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
-    orthogonalizer: str = "polar_express"  # Muon's orthogonalization: polar_express or newton_schulz
+    orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
     # systems
     dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, or float32 to compare runs
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
+    fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (1/448, published) or e5m2_bound (ours: keeps gradients 1/448 flushes; unmeasured on H100)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
     seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
@@ -802,6 +855,7 @@ PRESETS = {
         head_dim=128,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
         muon_momentum_warmup_steps=30,
+        orthogonalizer="polar_express",  # what the track_cpu records were made with
         exact_grad_sum=True,  # 1, 2, 4 or 8 processes get the same gradient bits (160 MB of float64 buffers)
         compile=False,
         warmup_steps=0,
@@ -879,6 +933,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
                           f"({args.val_seq_len} x {world_size})")
     if args.orthogonalizer not in ORTHOGONALIZERS:
         raise ConfigError(f"orthogonalizer={args.orthogonalizer!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
+    if args.fp8_grad_scale not in FP8_GRAD_SCALES:
+        raise ConfigError(f"fp8_grad_scale={args.fp8_grad_scale!r}; choose one of {', '.join(FP8_GRAD_SCALES)}")
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r}; choose {' or '.join(DTYPES)}")
     if not 0 <= args.cooldown_frac <= 1:
@@ -890,7 +946,7 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
 def usage() -> str:
     lines = [__doc__.strip(), "", f"presets: {', '.join(PRESETS)} (default: record with CUDA, cpu without)",
              "hyperparameters (record defaults):"]
-    source = Path(__file__).read_text().splitlines()
+    source = inspect.getsource(Hyperparameters).splitlines()
     for f in dataclasses.fields(Hyperparameters):
         comment = next((line.split("#", 1)[1].strip() for line in source if line.strip().startswith(f"{f.name}:")), "")
         lines.append(f"  --{f.name}={f.default!r:<40} {comment}")
@@ -1000,26 +1056,53 @@ def load_checkpoint(path: Path, model: GPT, optimizers, stream: TokenStream, arg
     return state["step"], state["clock"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input."""
-    source = Path(__file__).read_text()  # logged first, so every run carries its exact code
-    argv = sys.argv[1:] if argv is None else argv
-    rank, world_size, device = setup_distributed()
-    args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
-    check_hyperparameters(args, world_size)
-    # Data problems surface before anything is written.
-    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device)
-    val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len)
-    run_id = args.run_id or str(uuid.uuid4())
-    log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rank == 0 else None)
-    try:
-        return train(args, preset, run_id, source, log, rank, world_size, device, stream, val_sequences)
-    finally:
-        log.close()
+def configure_cuda_allocator(environ=os.environ) -> str:
+    """Expandable segments let the CUDA caching allocator grow blocks in place instead of fragmenting
+    (the record sets them). Must run before CUDA initializes; a user's own setting wins."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if name in environ:
+            return f"{name}={environ[name]} (set by the user)"
+    environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    return "PYTORCH_ALLOC_CONF=expandable_segments:True"
 
 
-def train(args: Hyperparameters, preset: str, run_id: str, source: str, log: RunLog, rank: int, world_size: int,
-          device: torch.device, stream: TokenStream, val_sequences: Tensor) -> dict:
+@dataclass
+class FastPaths:
+    """The device-dependent choices of a run, made once, each with the reason it is on or off."""
+    fp8: bool
+    attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
+    lines: list[str]  # what the log says of each
+
+
+def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: str) -> FastPaths:
+    cuda = device.type == "cuda"
+    fp8_ok, fp8_why = fp8_supported(device)
+    fp8 = args.fp8 and fp8_ok
+    if not cuda:
+        attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
+    elif args.compile:
+        attention = "FlexAttention with block-sparse masks, compiled with the model"
+    else:
+        # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
+        attention = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
+    lines = [
+        f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
+        f"attention: {attention}",
+        f"compile: {'on' if args.compile else 'off (compile=false)'}",
+        f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
+        f"dtype: {args.dtype}",
+        f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
+        f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
+    ]
+    if not cuda:
+        malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
+        lines.append(f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}")
+    return FastPaths(fp8, "flex" if cuda else "sdpa", lines)
+
+
+def log_header(log: RunLog, source: str, args: Hyperparameters, preset: str, device: torch.device, world_size: int,
+               paths: FastPaths):
+    """The logged source, then what a reader needs to reproduce or compare the run."""
     log.write_source(source)
     log(f"python {sys.version.split()[0]} | torch {torch.__version__}"
         f"{f' | CUDA {torch.version.cuda}' if torch.version.cuda else ''}", console=False)
@@ -1030,188 +1113,244 @@ def train(args: Hyperparameters, preset: str, run_id: str, source: str, log: Run
     log(f"hyperparameters (preset {preset}):", console=False)
     for name, value in dataclasses.asdict(args).items():
         log(f"  {name}: {value!r}", console=False)
-
-    # Fast paths: chosen once, each logged with why it is on or off.
-    dtype = DTYPES[args.dtype]
-    fp8_ok, fp8_why = fp8_supported(device)
-    use_fp8 = args.fp8 and fp8_ok
-    backend = "flex" if device.type == "cuda" else "sdpa"
     log("fast paths:", console=False)
-    log(f"  fp8 lm_head: {'on (' + fp8_why + ')' if use_fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}", console=False)
-    log("  attention: FlexAttention with block-sparse masks" if backend == "flex" else
-        f"  attention: SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})", console=False)
-    log(f"  compile: {'on' if args.compile else 'off (compile=false)'}", console=False)
-    log(f"  dtype: {args.dtype}", console=False)
-    log(f"  pinned memory, non-blocking copies: {'on' if device.type == 'cuda' else 'off (CUDA only)'}", console=False)
-    if device.type == "cpu":
-        malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
-        log(f"  glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}", console=False)
+    for line in paths.lines:
+        log(f"  {line}", console=False)
 
-    # Model, identical on every rank
-    torch.manual_seed(args.seed)
-    model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                max(args.seq_len, args.val_seq_len), backend).to(device)
-    for table in [model.embed, *model.value_embeds]:
-        table.to(dtype)
-    model.lm_head.use_fp8 = use_fp8
-    if world_size > 1:
-        for p in model.parameters():
-            dist.broadcast(p.detach(), 0)
-    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
-        f"attention-free layer {attention_free_layer(args.num_layers)}; long-window layers "
-        f"{[i for i, long in enumerate(model.long_window) if long]}", console=False)
 
-    optimizers = build_optimizers(model, args, rank, world_size)
-    muon = optimizers[1]
+class Trainer:
+    """This rank's model, optimizers and gradient synchronization, and what a run does with them:
+    training steps and validation. Identical on every rank after construction."""
 
-    # Gradient synchronization: the training loop only calls wait_for_gradients()
-    buckets = None
-    if world_size > 1 or args.exact_grad_sum:
-        buckets = GradientBuckets(list(reversed(list(model.parameters()))), int(args.bucket_mb * 1e6), world_size,
-                                  torch.float64 if args.exact_grad_sum else None)
-    if world_size > 1:
-        log(f"distributed: world size {world_size}, backend {dist.get_backend()}, {len(buckets.buckets)} gradient "
-            f"buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB", console=False)
-    else:
-        log("distributed: world size 1, no gradient communication", console=False)
-    grad_accum_steps = args.batch_slots // world_size
-    log(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {world_size} ranks x "
-        f"{grad_accum_steps} micro-steps", console=False)
-    log("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
-        if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in another "
-        "order (exact_grad_sum=false)", console=False)
-
-    compiled = torch.compile(model, dynamic=False) if args.compile else model
-    val_entropy = unigram_entropy(val_sequences, args.vocab_size)
-
-    def window(step: int) -> Tensor:
-        return torch.tensor(window_blocks(step, args), dtype=torch.int32, device=device)
-
-    def train_step(step: int, micro_batches) -> Tensor:
-        total = torch.zeros((), device=device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            if buckets is not None:
-                buckets.last_micro_step = i == len(micro_batches) - 1
-            loss = compiled(inputs, targets, window(step))
-            # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
-            (loss / grad_accum_steps).backward()
-            total += loss.detach()
-        if buckets is not None:
-            buckets.wait_for_gradients()
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
-        for group in muon.param_groups:
-            group["momentum"] = muon_momentum(step, args)
-        for optimizer in optimizers:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
-        return total / (grad_accum_steps * args.seq_len)
-
-    @torch.no_grad()
-    def validate(step: int) -> float:
-        model.eval()
-        total = torch.zeros((), device=device, dtype=torch.float64)
-        for seq in val_sequences[rank::world_size]:
-            seq = seq.to(device)
-            total += compiled(seq[:-1].int(), seq[1:], window(step)).double()
-        model.train()
+    def __init__(self, args: Hyperparameters, rank: int, world_size: int, device: torch.device, paths: FastPaths):
+        self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
+        torch.manual_seed(args.seed)
+        self.model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
+                         max(args.seq_len, args.val_seq_len), paths.attention, args.fp8_grad_scale).to(device)
+        for table in [self.model.embed, *self.model.value_embeds]:
+            table.to(DTYPES[args.dtype])
+        self.model.lm_head.use_fp8 = paths.fp8
         if world_size > 1:
-            dist.all_reduce(total)
-        return float(total) / len(val_sequences)
+            for p in self.model.parameters():
+                dist.broadcast(p.detach(), 0)
+        self.optimizers = build_optimizers(self.model, args, rank, world_size)
+        self.muon = self.optimizers[1]
+        # The training step only calls wait_for_gradients(); the hooks do the rest during backward.
+        self.buckets = None
+        if world_size > 1 or args.exact_grad_sum:
+            self.buckets = GradientBuckets(list(reversed(list(self.model.parameters()))), int(args.bucket_mb * 1e6),
+                                           world_size, torch.float64 if args.exact_grad_sum else None)
+        self.grad_accum_steps = args.batch_slots // world_size
+        self.compiled = torch.compile(self.model, dynamic=False) if args.compile else self.model
+        # Every window size of the run as a device tensor, made once: one built from a Python int at
+        # each step would be a blocking host-to-device copy on CUDA.
+        self.windows = {w: torch.tensor(w, dtype=torch.int32, device=device)
+                        for w in {window_blocks(step, args) for step in range(args.num_iterations + 1)}}
+        # The first step whose loss was not finite, kept on the device so that checking costs no sync.
+        self.nonfinite_step = torch.full((), -1, device=device, dtype=torch.int64)
 
-    start_step, clock = 0, dict(training_ms=0.0, timed_steps=0)
-    if args.resume:
-        start_step, clock = load_checkpoint(Path(args.resume), model, optimizers, stream, args)
-        log(f"resumed from {args.resume} at step {start_step}")
+    def describe(self) -> list[str]:
+        args, model, buckets = self.args, self.model, self.buckets
+        lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
+                 f"attention-free layer {attention_free_layer(args.num_layers)}; long-window layers "
+                 f"{[i for i, long in enumerate(model.long_window) if long]}"]
+        flops = [sum(orthogonalization_flops(p.shape) for p in mine) for mine in self.muon.dealt]
+        lines.append(f"muon: {len(self.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
+                     f"{[round(f / 1e9, 2) for f in flops]}")
+        if self.world_size > 1:
+            lines.append(f"distributed: world size {self.world_size}, backend {dist.get_backend()}, {len(buckets.buckets)} "
+                         f"gradient buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB")
+        else:
+            lines.append("distributed: world size 1, no gradient communication")
+        lines.append(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {self.world_size} ranks x "
+                     f"{self.grad_accum_steps} micro-steps")
+        lines.append("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
+                     if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in "
+                     "another order (exact_grad_sum=false)")
+        return lines
 
-    if args.warmup_steps:
-        # Compile on random tokens, then restore the exact initial state.
-        saved = copy.deepcopy(dict(model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers]))
-        t0 = time.perf_counter()
-        for step in range(args.warmup_steps):
-            random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=device, dtype=torch.int32),
-                             torch.randint(0, args.vocab_size, (args.seq_len,), device=device))
-                            for _ in range(grad_accum_steps)]
-            train_step(start_step + step, random_batch)
-        model.load_state_dict(saved["model"])
-        for optimizer, state in zip(optimizers, saved["optimizers"]):
-            optimizer.load_state_dict(state)
-        log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
+    def window(self, step: int) -> Tensor:
+        return self.windows[window_blocks(step, self.args)]
 
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """One optimizer step; returns the mean training loss per token as a device tensor (no sync)."""
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            if self.buckets is not None:
+                self.buckets.last_micro_step = i == len(micro_batches) - 1
+            loss = self.compiled(inputs, targets, self.window(step))
+            # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
+            (loss / self.grad_accum_steps).backward()
+            total += loss.detach()
+        if self.buckets is not None:
+            self.buckets.wait_for_gradients()
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * lr_multiplier(step, self.args)
+        for group in self.muon.param_groups:
+            group["momentum"] = muon_momentum(step, self.args)
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        loss = total / (self.grad_accum_steps * self.args.seq_len)
+        self.nonfinite_step = torch.where((self.nonfinite_step < 0) & ~torch.isfinite(loss), step + 1, self.nonfinite_step)
+        return loss
 
-    val_losses, train_losses, checkpoints = {}, {}, []
-    nonfinite_step = torch.full((), -1, device=device, dtype=torch.int64)  # first bad step, found without a sync
-
-    def stop_if_nonfinite():
-        bad = int(nonfinite_step)
+    def stop_if_nonfinite(self):
+        """A host sync: called only where the loop logs or validates anyway."""
+        bad = int(self.nonfinite_step)
         if bad >= 0:
             raise FloatingPointError(f"training loss became non-finite at step {bad}; lower the learning rates or check the data")
 
-    synchronize()
-    training_ms, timed_steps, t0 = clock["training_ms"], clock["timed_steps"], time.perf_counter()
+    @torch.no_grad()
+    def validate(self, step: int, val_sequences: Tensor) -> float:
+        """Mean loss per token over every validation sequence, split across ranks."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for seq in val_sequences[self.rank::self.world_size]:
+            seq = seq.to(self.device, non_blocking=True)
+            total += self.compiled(seq[:-1].int(), seq[1:], self.window(step)).double()
+        self.model.train()
+        if self.world_size > 1:
+            dist.all_reduce(total)
+        return float(total) / len(val_sequences)
+
+    def warm_up(self, first_step: int):
+        """Compile (and warm caches) on random tokens, then restore the exact state from before."""
+        saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=[o.state_dict() for o in self.optimizers]))
+        args = self.args
+        for step in range(first_step, first_step + args.warmup_steps):
+            random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device, dtype=torch.int32),
+                             torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device))
+                            for _ in range(self.grad_accum_steps)]
+            self.train_step(min(step, args.num_iterations - 1), random_batch)
+        self.model.load_state_dict(saved["model"])
+        for optimizer, state in zip(self.optimizers, saved["optimizers"]):
+            optimizer.load_state_dict(state)
+        self.nonfinite_step.fill_(-1)
+
+    def synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+@dataclass
+class TrainingClock:
+    """Training time excludes validation, checkpoints and compilation, as in the speedrun logs."""
+    training_ms: float = 0.0
+    timed_steps: int = 0
+
+
+def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: RunLog, run_id: str,
+                  start_step: int, clock: TrainingClock) -> tuple[dict, dict, list[Path]]:
+    """Steps start_step..num_iterations with validation, logging and checkpoints on schedule; returns
+    (val_losses, train_losses, checkpoints)."""
+    args, rank, world_size = trainer.args, trainer.rank, trainer.world_size
+    val_losses, train_losses, checkpoints = {}, {}, []
+
+    def pause_clock():  # off the clock: wait for the device, then add the time since the last resume
+        trainer.synchronize()
+        clock.training_ms += 1000 * (time.perf_counter() - t0)
+
+    def save(step: int):
+        checkpoints.append(Path(args.checkpoint_dir) / run_id / f"step_{step:06d}.pt")
+        if rank == 0:
+            save_checkpoint(checkpoints[-1], trainer.model, trainer.optimizers, step, stream, args, dataclasses.asdict(clock))
+
+    trainer.synchronize()
+    t0 = time.perf_counter()
     for step in range(start_step, args.num_iterations + 1):
         last = step == args.num_iterations
         if last or (args.val_loss_every and step % args.val_loss_every == 0):
-            synchronize()
-            training_ms += 1000 * (time.perf_counter() - t0)
-            stop_if_nonfinite()
-            val_losses[step] = validate(step)
+            pause_clock()
+            trainer.stop_if_nonfinite()
+            val_losses[step] = trainer.validate(step, val_sequences)
             if not math.isfinite(val_losses[step]):
                 raise FloatingPointError(f"validation loss is non-finite at step {step}")
-            log(f"step:{step}/{args.num_iterations} val_loss:{val_losses[step]:.4f} train_time:{training_ms:.0f}ms "
-                f"step_avg:{training_ms / max(timed_steps, 1):.2f}ms")
-            synchronize()
+            log(f"step:{step}/{args.num_iterations} val_loss:{val_losses[step]:.4f} train_time:{clock.training_ms:.0f}ms "
+                f"step_avg:{clock.training_ms / max(clock.timed_steps, 1):.2f}ms")
+            trainer.synchronize()
             t0 = time.perf_counter()
         if last:
             break
-        loss = train_step(step, stream.next_batch(rank, world_size))
-        nonfinite_step = torch.where((nonfinite_step < 0) & ~torch.isfinite(loss), step + 1, nonfinite_step)
-        timed_steps += 1
-        elapsed_ms = training_ms + 1000 * (time.perf_counter() - t0)
+        loss = trainer.train_step(step, stream.next_batch(rank, world_size))
+        clock.timed_steps += 1
+        elapsed_ms = clock.training_ms + 1000 * (time.perf_counter() - t0)
+        timing = f"train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / clock.timed_steps:.2f}ms"
         if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
-            stop_if_nonfinite()
+            trainer.stop_if_nonfinite()
             train_losses[step + 1] = loss.item()
-            log(f"step:{step + 1}/{args.num_iterations} train_loss:{train_losses[step + 1]:.4f} "
-                f"train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / timed_steps:.2f}ms")
+            log(f"step:{step + 1}/{args.num_iterations} train_loss:{train_losses[step + 1]:.4f} {timing}")
         else:
-            log(f"step:{step + 1}/{args.num_iterations} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / timed_steps:.2f}ms")
+            log(f"step:{step + 1}/{args.num_iterations} {timing}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.num_iterations:
-            synchronize()  # saving is off the clock, like validation
-            training_ms += 1000 * (time.perf_counter() - t0)
-            checkpoints.append(Path(args.checkpoint_dir) / run_id / f"step_{step + 1:06d}.pt")
-            if rank == 0:
-                save_checkpoint(checkpoints[-1], model, optimizers, step + 1, stream, args,
-                                dict(training_ms=training_ms, timed_steps=timed_steps))
+            pause_clock()
+            save(step + 1)
             t0 = time.perf_counter()
-
     if args.save_checkpoint:
-        checkpoints.append(Path(args.checkpoint_dir) / run_id / f"step_{args.num_iterations:06d}.pt")
-        if rank == 0:
-            save_checkpoint(checkpoints[-1], model, optimizers, args.num_iterations, stream, args,
-                            dict(training_ms=training_ms, timed_steps=timed_steps))
+        save(args.num_iterations)
+    return val_losses, train_losses, checkpoints
+
+
+def final_report(log: RunLog, trainer: Trainer, clock: TrainingClock, val_losses: dict, val_entropy: float,
+                 checkpoints: list[Path]):
+    """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory."""
+    args, device, world_size = trainer.args, trainer.device, trainer.world_size
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
-
-    tokens_per_second = timed_steps * args.batch_slots * args.seq_len / max(training_ms / 1000, 1e-9)
+    tokens_per_second = clock.timed_steps * args.batch_slots * args.seq_len / max(clock.training_ms / 1000, 1e-9)
     peak = next((flops for name, flops in PEAK_BF16_FLOPS.items()
                  if device.type == "cuda" and name in torch.cuda.get_device_name(device)), None)
-    achieved = flops_per_token(model, args) * tokens_per_second
+    achieved = flops_per_token(trainer.model, args) * tokens_per_second
     mfu = (f"MFU {100 * achieved / (peak * world_size):.1f}% of {world_size} x {peak / 1e12:.0f} TFLOP/s bf16"
            if peak else f"MFU n/a (no known peak for {device.type}); {achieved / 1e9:.1f} GFLOP/s achieved")
     log(f"throughput: {tokens_per_second:.0f} tokens/s, {mfu}")
-    if buckets is not None:
-        log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "
-            f"over {buckets.steps} synchronized steps", console=False)
+    if trainer.buckets is not None:
+        log(f"gradient buckets: {len(trainer.buckets.buckets)}, all-reduces per bucket {trainer.buckets.reductions} "
+            f"over {trainer.buckets.steps} synchronized steps", console=False)
     final = val_losses[args.num_iterations]
     log(f"final val loss {final:.4f} nats vs {val_entropy:.4f} for the validation tokens' unigram entropy: "
         f"{val_entropy - final:.4f} nats below")
     log(peak_memory_line(device))
-    return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
-                log_path=log.path, checkpoints=checkpoints, run_id=run_id)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input."""
+    source = Path(__file__).read_text()  # logged first, so every run carries its exact code
+    argv = sys.argv[1:] if argv is None else argv
+    allocator = configure_cuda_allocator()  # before anything touches CUDA
+    rank, world_size, device = setup_distributed()
+    args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
+    check_hyperparameters(args, world_size)
+    # Data problems surface before anything is written.
+    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device)
+    val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len)
+    if device.type == "cuda":
+        val_sequences = val_sequences.pin_memory()
+    run_id = args.run_id or str(uuid.uuid4())
+    log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rank == 0 else None)
+    try:
+        paths = choose_fast_paths(args, device, allocator)
+        log_header(log, source, args, preset, device, world_size, paths)
+        trainer = Trainer(args, rank, world_size, device, paths)
+        for line in trainer.describe():
+            log(line, console=False)
+        start_step, clock = 0, TrainingClock()
+        if args.resume:
+            start_step, saved_clock = load_checkpoint(Path(args.resume), trainer.model, trainer.optimizers, stream, args)
+            clock = TrainingClock(**saved_clock)
+            log(f"resumed from {args.resume} at step {start_step}")
+        if args.warmup_steps:
+            t0 = time.perf_counter()
+            trainer.warm_up(start_step)
+            log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
+        val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step, clock)
+        val_entropy = unigram_entropy(val_sequences, args.vocab_size)
+        final_report(log, trainer, clock, val_losses, val_entropy, checkpoints)
+        return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
+                    log_path=log.path, checkpoints=checkpoints, run_id=run_id)
+    finally:
+        log.close()
 
 
 if __name__ == "__main__":

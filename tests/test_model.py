@@ -244,6 +244,20 @@ def test_compiled_flex_model_matches_sdpa():
     assert abs(losses[1] - losses[4]) > 5e-3  # measured 1.1e-2: a wrong window would show
 
 
+def test_uncompiled_flex_model_compiles_the_attention_kernel_alone():
+    """With compile=false the flex backend still attends through FlexAttention's compiled kernel (eager
+    flex_attention would materialize every score, and on CPU ignores the window): the same losses as
+    SDPA with the dense masks, for windows smaller than the sequence."""
+    sdpa = randomize_(tiny_gpt(backend="sdpa"))
+    flex = tiny_gpt(backend="flex")
+    flex.load_state_dict(sdpa.state_dict())
+    tokens, targets = documents(3)
+    with torch.no_grad():
+        for window in [1, 4]:
+            w = torch.tensor(window, dtype=torch.int32)
+            assert (flex(tokens, targets, w) / T).item() == pytest.approx((sdpa(tokens, targets, w) / T).item(), abs=1e-4)
+
+
 def test_gradients_become_ready_in_reversed_parameter_order():
     """GradientBuckets packs parameters in reversed(model.parameters()) order, assuming that is the
     order in which backward finishes them. Recorded with post-accumulate-grad hooks: lm_head first,

@@ -106,7 +106,6 @@ def test_muon_reduces_a_least_squares_loss():
         return sum(((p @ X - Y) ** 2).mean() for p, (X, _), Y in zip(params, data, targets))
 
     optimizer = train_gpt.Muon(params, lr=0.02, momentum=0.9)
-    assert len(optimizer.param_groups) == 2  # one group per shape
     initial = loss().item()
     for _ in range(60):
         optimizer.zero_grad()
@@ -154,6 +153,71 @@ def test_muon_update_scale(shape, scale):
     train_gpt.Muon([p], lr=lr, momentum=0.0, nesterov=False).step()
     measured = p.detach().norm() / (lr * train_gpt.orthogonalize(p.grad).float().norm())
     assert measured.item() == pytest.approx(scale, rel=1e-4)
+
+
+@pytest.mark.parametrize("method", train_gpt.ORTHOGONALIZERS)
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (3, 32, 24), (20, 20)])
+def test_orthogonalization_flops_match_torchs_flop_counter(shape, method):
+    """The FLOP formula that deals Muon's work equals what torch's own counter sees in orthogonalize()."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        train_gpt.orthogonalize(torch.randn(shape), method)
+    assert counter.get_total_flops() == train_gpt.orthogonalization_flops(shape)
+
+
+def test_deal_by_cost_balances_and_deals_everything_once():
+    costs = [7, 3, 3, 9, 1, 5, 5, 2]
+    dealt = train_gpt.deal_by_cost(costs, 3)
+    assert sorted(i for mine in dealt for i in mine) == list(range(len(costs)))
+    assert [sum(costs[i] for i in mine) for mine in dealt] == [12, 12, 11]  # the best split of 35 into 3
+    assert all([costs[i] for i in mine] == sorted((costs[i] for i in mine), reverse=True) for mine in dealt)
+    assert train_gpt.deal_by_cost(costs, 1) == [sorted(range(len(costs)), key=lambda i: -costs[i])]
+    assert train_gpt.deal_by_cost([4], 3) == [[0], [], []]
+
+
+def record_muon(rank: int, world_size: int) -> train_gpt.Muon:
+    """Muon over the record model's hidden matrices, built on the meta device (no memory, no init cost)."""
+    args = train_gpt.Hyperparameters()
+    with torch.device("meta"):
+        model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, 1024)
+        return train_gpt.build_optimizers(model, args, rank, world_size)[1]
+
+
+def test_record_muon_work_is_balanced_over_8_ranks():
+    """Each of 8 ranks orthogonalizes its share of the record model's 46 matrices; per-rank FLOPs
+    within 1.25x of each other (dealing by shape group, 11 qkv matrices over 8 ranks left 2 ranks idle)."""
+    muons = [record_muon(rank, 8) for rank in range(8)]
+    params = muons[0].param_groups[0]["params"]
+    assert len(params) == 46
+    flops = [sum(train_gpt.orthogonalization_flops(p.shape) for p in mine) for mine in muons[0].dealt]
+    print("record Muon orthogonalization GFLOPs per rank (8 ranks):", [round(f / 1e9, 1) for f in flops])
+    assert max(flops) / min(flops) <= 1.25
+    assert sum(flops) == sum(train_gpt.orthogonalization_flops(p.shape) for p in params)
+    # every rank deals the same way, and every matrix is someone's, once
+    shapes = lambda muon: [[tuple(p.shape) for p in mine] for mine in muon.dealt]
+    assert all(shapes(m) == shapes(muons[0]) for m in muons)
+    assert sorted(id(p) for mine in muons[0].dealt for p in mine) == sorted(id(p) for p in params)
+    # round r holds each rank's r-th matrix
+    for r, round_params in enumerate(muons[0].rounds):
+        assert round_params == [mine[r] if r < len(mine) else None for mine in muons[0].dealt]
+
+
+def test_muon_on_one_rank_equals_orthogonalizing_each_matrix_alone():
+    """Muon orthogonalizes matrix by matrix (never batched), so the result cannot depend on which
+    matrices share a rank: one step equals p - lr * scale * orthogonalize(g) for each, bit for bit."""
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 8), (8, 24), (16, 8), (3, 8, 8)]]
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    lr = 0.1
+    train_gpt.Muon(params, lr=lr, momentum=0.0, nesterov=False, dtype=torch.float32).step()
+    for p, p0 in zip(params, before):
+        rows, cols = p.shape[-2:]
+        expected = p0.clone().add_(train_gpt.orthogonalize(p.grad, "newton_schulz", torch.float32),
+                                   alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        assert torch.equal(p.detach(), expected)
 
 
 RECORD = train_gpt.Hyperparameters()

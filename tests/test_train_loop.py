@@ -1,6 +1,8 @@
 """The training loop of train_gpt.py, run for real on tiny shards: learning, self-logging, resume,
 warm-up restore, errors."""
 
+import collections
+import dataclasses
 import math
 import os
 import subprocess
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY_RUN
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt
 
@@ -177,3 +180,94 @@ def test_import_is_silent():
     proc = subprocess.run([sys.executable, "-c", "import train_gpt"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+
+def test_record_preset_is_the_published_record():
+    """The record preset keeps the published record's choices; the project's own are settings."""
+    args, _ = train_gpt.parse_args([], "record")
+    assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr) == ("newton_schulz", "record", 0.05)
+    assert train_gpt.lm_head_fp8_scales(args.model_dim, args.fp8_grad_scale) == (768**0.5 / 448, 24 / 448, 1 / 448)
+    model = train_gpt.GPT(1024, 2, 1, 64, 64, 128, fp8_grad_scale=args.fp8_grad_scale)
+    assert model.lm_head.fp8_scales[2] == 1 / 448
+    assert train_gpt.build_optimizers(model, args)[1].method == "newton_schulz"
+    help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
+                               timeout=120).stdout
+    assert "--orthogonalizer='newton_schulz'" in help_text and "--fp8_grad_scale='record'" in help_text
+
+
+class HostDataCounter(TorchDispatchMode):
+    """Counts the ops that are host synchronizations or host-to-device copies of fresh host data on CUDA:
+    .item()/float()/bool()/int() on a tensor become aten._local_scalar_dense, torch.tensor(...) aten.lift_fresh."""
+
+    WATCHED = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.WATCHED:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_counter_sees_syncs_and_host_tensors():
+    with HostDataCounter() as counter:
+        x = torch.tensor([1.0, 2.0])
+        float(x.sum())
+        x.max().item()
+    assert counter.counts == {"aten.lift_fresh.default": 1, "aten._local_scalar_dense.default": 2}
+
+
+@pytest.mark.parametrize("exact_grad_sum", ["true", "false"])
+def test_training_steps_make_no_host_syncs_or_host_tensors(tiny_shards, tmp_path, monkeypatch, exact_grad_sum):
+    """Every training step of a real run (batch fetch, forward and backward of every micro-step, the
+    gradient buckets, both optimizers, the schedules) runs under the counter: none of either op."""
+    per_step = []
+    original_step, original_batch = train_gpt.Trainer.train_step, train_gpt.TokenStream.next_batch
+
+    def counted_batch(self, *args):
+        with HostDataCounter() as counter:
+            batch = original_batch(self, *args)
+        per_step.append(counter.counts)
+        return batch
+
+    def counted_step(self, *args):
+        with HostDataCounter() as counter:
+            loss = original_step(self, *args)
+        per_step[-1] = per_step[-1] + counter.counts
+        return loss
+
+    monkeypatch.setattr(train_gpt.TokenStream, "next_batch", counted_batch)
+    monkeypatch.setattr(train_gpt.Trainer, "train_step", counted_step)
+    run(tiny_shards, tmp_path, "--num_iterations=6", "--train_loss_every=0", "--val_loss_every=3",
+        f"--exact_grad_sum={exact_grad_sum}")
+    assert len(per_step) == 6
+    assert per_step == [collections.Counter()] * 6
+
+
+def test_allocator_setting_is_made_unless_the_user_made_one():
+    environ = {}
+    assert train_gpt.configure_cuda_allocator(environ) == "PYTORCH_ALLOC_CONF=expandable_segments:True"
+    assert environ == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        environ = {name: "max_split_size_mb:128"}
+        assert train_gpt.configure_cuda_allocator(environ) == f"{name}=max_split_size_mb:128 (set by the user)"
+        assert environ == {name: "max_split_size_mb:128"}
+
+
+def test_fast_paths_on_cuda_say_how_attention_fits(monkeypatch):
+    """Without compile, CUDA attention still goes through FlexAttention's compiled kernel, and says so.
+    (Only the capability query is replaced: nothing else in choose_fast_paths touches the GPU.)"""
+    monkeypatch.setattr(train_gpt, "fp8_supported", lambda device: (True, "compute capability 9.0"))
+    cuda = torch.device("cuda")
+    args = train_gpt.Hyperparameters()
+    compiled = train_gpt.choose_fast_paths(args, cuda, "PYTORCH_ALLOC_CONF=expandable_segments:True")
+    eager = train_gpt.choose_fast_paths(dataclasses.replace(args, compile=False), cuda, "x")
+    assert compiled.attention == eager.attention == "flex" and compiled.fp8
+    assert "attention: FlexAttention with block-sparse masks, compiled with the model" in compiled.lines
+    assert ("attention: FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps "
+            "the rest eager)") in eager.lines
+    assert "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True" in compiled.lines
+    assert "fp8 lm_head: on (compute capability 9.0), gradient scale record" in compiled.lines
+    assert "muon: newton_schulz, compiled" in compiled.lines

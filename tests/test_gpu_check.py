@@ -1,0 +1,50 @@
+"""tools/gpu_check.py: its CPU path for real (the GPU checks say SKIP here), and that its checks can fail."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_check  # noqa: E402
+
+import train_gpt  # noqa: E402
+
+
+def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    rows = {line.split()[0] + (" " + line.split()[1] if line.split()[1] not in ("PASS", "FAIL", "SKIP") else ""):
+            line for line in proc.stdout.splitlines()[1:-1]}
+    status = {name: line.split()[len(name.split())] for name, line in rows.items()}
+    assert status == {"environment": "PASS", "fp8 matmul": "PASS", "flex forward": "PASS", "flex backward": "SKIP",
+                      "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
+    assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
+    assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
+    assert proc.stdout.splitlines()[-1] == "4 passed, 0 failed, 2 skipped"
+    assert proc.returncode == 0
+
+
+def test_training_check_runs_the_real_trainer_on_cpu():
+    """The training check's code path, uncompiled and tiny: the loss falls on a repeated batch."""
+    args = dataclasses.replace(train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"]), num_layers=2, model_dim=64,
+                               num_heads=1, head_dim=64, seq_len=128, batch_slots=2, num_iterations=20)
+    summary = gpu_check.check_training(torch.device("cpu"), args, steps=4, warmup=2)
+    assert summary.startswith("2 layers x 64, 2 x 128 tokens: loss 10.83 -> ")
+    assert "tokens/s" in summary and "TFLOP/s" in summary
+
+
+def test_a_wrong_fp8_result_fails(monkeypatch):
+    real = train_gpt.fp8_mm
+    monkeypatch.setattr(train_gpt, "fp8_mm", lambda x, w, *scales: (real(x, w, *scales)[0] * 1.2,))
+    with pytest.raises(AssertionError, match=r"relative error out 0\.2"):
+        gpu_check.check_fp8(torch.device("cpu"), 64, 64, 256)
+
+
+def test_a_torch_that_differs_from_the_pin_fails(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    with pytest.raises(AssertionError, match="torch 2.99.0 but requirements.txt pins 2.13.0"):
+        gpu_check.check_environment(torch.device("cpu"))

@@ -1,0 +1,288 @@
+"""Check a GPU machine before spending money on record attempts: the pieces the record relies on, each
+against an independent reference, with numbers. Finishes in under 3 minutes.
+
+    python tools/gpu_check.py
+
+Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any check fails:
+  environment        torch matches requirements.txt's pin; GPUs and FP8 capability
+  fp8 matmul         the FP8 lm_head op against a bf16 matmul, forward and both gradients (record shapes on CUDA)
+  flex forward       compiled FlexAttention against SDPA with the same dense masks (record masks and windows)
+  flex backward      the same for the gradients of q, k and v (CUDA: FlexAttention has no backward on CPU)
+  training steps     the record model compiled on one GPU at a reduced sequence length: step time, tokens/s, MFU
+  all-reduce         train_gpt's bucketed all-reduce across processes against the average computed in one
+                     (NCCL over every GPU; gloo over 2 CPU processes without CUDA)
+Without CUDA the checks that can run on CPU run at small sizes; the rest are SKIP.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import train_gpt  # noqa: E402
+
+FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16; measured ~0.04 forward, ~0.06 gradients
+ATTENTION_TOLERANCE = 2e-2  # bf16 on CUDA; fp32 on CPU agrees to ~1e-6
+CHECK_SEQ_LEN = 8 * 1024  # tokens per training step in the training check: compiles and runs in well under a minute
+
+
+class Skip(Exception):
+    """A check that cannot run here; the message says why."""
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def check_environment(device: torch.device) -> str:
+    pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M)[1]
+    installed = torch.__version__.split("+")[0]
+    if installed != pin:
+        raise AssertionError(f"torch {torch.__version__} but requirements.txt pins {pin}; run ./run.sh to reinstall")
+    if device.type != "cuda":
+        return f"torch {torch.__version__}; no CUDA"
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    fp8_ok, fp8_why = train_gpt.fp8_supported(device)
+    return f"torch {torch.__version__}, CUDA {torch.version.cuda}; {len(gpus)}x {gpus[0]}; FP8 {'yes' if fp8_ok else 'no'} ({fp8_why})"
+
+
+def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: int = 50304) -> str:
+    """The lm_head's FP8 matmul (record scales) against bf16, on a real softcapped cross-entropy gradient."""
+    if device.type == "cuda" and not train_gpt.fp8_supported(device)[0]:
+        raise Skip(train_gpt.fp8_supported(device)[1])
+    g = torch.Generator(device).manual_seed(0)
+    x = train_gpt.norm(torch.randn(tokens, model_dim, device=device, generator=g)).bfloat16()
+    w = torch.randn(vocab, model_dim, device=device, generator=g) * 0.02
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+    scales = train_gpt.lm_head_fp8_scales(model_dim)
+
+    def loss(z):
+        logits = train_gpt.LOGIT_SOFTCAP * torch.sigmoid(z.float() / (train_gpt.LOGIT_SOFTCAP_SPREAD * model_dim**0.5))
+        return F.cross_entropy(logits, targets, reduction="sum")
+
+    def fp8(x, w):
+        return train_gpt.fp8_mm(x, w, *scales)[0]
+
+    def bf16(x, w):
+        return F.linear(x, w.bfloat16())
+
+    results = {}
+    for name, matmul in (("fp8", fp8), ("bf16", bf16)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = matmul(xi, wi)
+        loss(out).backward()
+        results[name] = (out, xi.grad, wi.grad)
+    errors = [relative_error(a, b) for a, b in zip(results["fp8"], results["bf16"])]
+    if max(errors) > FP8_TOLERANCE:
+        raise AssertionError(f"relative error out {errors[0]:.3f}, grad x {errors[1]:.3f}, grad w {errors[2]:.3f} "
+                             f"(limit {FP8_TOLERANCE})")
+    summary = f"{tokens}x{model_dim} @ {vocab}: rel. error out {errors[0]:.3f}, grad x {errors[1]:.3f}, grad w {errors[2]:.3f}"
+    if device.type == "cuda":
+        times = {name: cuda_ms(lambda: matmul(x, w)) for name, matmul in (("fp8", fp8), ("bf16", bf16))}
+        summary += f"; forward {times['fp8']:.2f} ms vs bf16 {times['bf16']:.2f} ms"
+    return summary
+
+
+def cuda_ms(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / repeats
+
+
+def record_like_tokens(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """Random tokens with documents of varied length, some shorter than a block, starting at 0."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 50000, (num_tokens,), generator=g)
+    starts = torch.cumsum(torch.randint(30, 3 * train_gpt.BLOCK_SIZE, (num_tokens // 30,), generator=g), 0)
+    tokens[starts[starts < num_tokens]] = train_gpt.EOT_TOKEN
+    tokens[0] = train_gpt.EOT_TOKEN
+    return tokens.to(device)
+
+
+def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int = 6, head_dim: int = 128) -> str:
+    """Compiled FlexAttention against SDPA with the dense masks built from the same block rules, for the
+    record's long and short windows at several sizes."""
+    if backward and device.type != "cuda":
+        raise Skip(f"FlexAttention has no backward on {device.type} in torch {torch.__version__}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = record_like_tokens(num_tokens, device)
+
+    @torch.compile(dynamic=False)
+    def flex(q, k, v, window):
+        long, short = train_gpt.attention_masks(tokens, window, "flex")
+        return [train_gpt.attend(q, k, v, mask, train_gpt.ATTENTION_SCALE) for mask in (long, short)]
+
+    worst = 0.0
+    g = torch.Generator(device).manual_seed(2)
+    for window in sorted({1, 3, num_tokens // train_gpt.BLOCK_SIZE // 2, num_tokens // train_gpt.BLOCK_SIZE}):
+        qkv = [torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g, dtype=dtype).requires_grad_(backward)
+               for _ in range(3)]
+        outs = flex(*qkv, torch.tensor(window, dtype=torch.int32, device=device))
+        for out, mask in zip(outs, train_gpt.attention_masks(tokens, window, "sdpa")):
+            ref_qkv = [t.detach().clone().requires_grad_(backward) for t in qkv]
+            ref = F.scaled_dot_product_attention(*ref_qkv, attn_mask=mask, scale=train_gpt.ATTENTION_SCALE)
+            if backward:
+                grad = torch.randn(out.shape, device=device, generator=g, dtype=dtype)
+                got = torch.autograd.grad(out, qkv, grad, retain_graph=True)
+                want = torch.autograd.grad(ref, ref_qkv, grad)
+                worst = max(worst, *(relative_error(a, b) for a, b in zip(got, want)))
+            else:
+                worst = max(worst, relative_error(out, ref))
+    if worst > ATTENTION_TOLERANCE:
+        raise AssertionError(f"relative error {worst:.2e} (limit {ATTENTION_TOLERANCE:.0e})")
+    return f"{num_tokens} tokens, {heads} heads, windows up to all: max relative error {worst:.1e}"
+
+
+def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps: int = 6, warmup: int = 2) -> str:
+    """A few steps of the model (compiled on CUDA) fitting one repeated batch: the loss must fall, and the
+    timed steps give step time, tokens/s and MFU."""
+    if device.type != "cuda" and args.compile:
+        raise Skip("needs CUDA: the record model compiled takes minutes per step on CPU")
+    paths = train_gpt.choose_fast_paths(args, device, "")
+    trainer = train_gpt.Trainer(args, 0, 1, device, paths)
+    g = torch.Generator().manual_seed(3)
+    batch = [(t[:-1].to(device, torch.int32), t[1:].to(device)) for t in
+             [torch.randint(0, args.vocab_size, (args.seq_len + 1,), generator=g) for _ in range(trainer.grad_accum_steps)]]
+    losses = [float(trainer.train_step(step, batch)) for step in range(warmup)]
+    trainer.synchronize()
+    t0 = time.perf_counter()
+    timed = [trainer.train_step(step, batch) for step in range(warmup, warmup + steps)]
+    trainer.synchronize()
+    step_ms = 1000 * (time.perf_counter() - t0) / steps
+    losses += [float(loss) for loss in timed]
+    if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0] - 0.5:
+        raise AssertionError(f"the loss did not fall on a repeated batch: {[round(x, 3) for x in losses]}")
+    tokens_per_second = args.batch_slots * args.seq_len / (step_ms / 1000)
+    achieved = train_gpt.flops_per_token(trainer.model, args) * tokens_per_second
+    peak = next((f for name, f in train_gpt.PEAK_BF16_FLOPS.items()
+                 if device.type == "cuda" and name in torch.cuda.get_device_name(device)), None)
+    mfu = f"MFU {100 * achieved / peak:.1f}%" if peak else f"{achieved / 1e12:.2f} TFLOP/s"
+    return (f"{args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens: loss "
+            f"{losses[0]:.2f} -> {losses[-1]:.2f}; {step_ms:.1f} ms/step, {tokens_per_second:,.0f} tokens/s, {mfu}")
+
+
+def allreduce_worker(out_path: str, backend: str):
+    """One rank (under torchrun): gradients seeded by rank through GradientBuckets' hooks, compared with
+    the average of every rank's gradients computed here; rank 0 writes the figures."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    # the record's hidden matrix shapes and an lm_head-sized one, in the order backward makes them ready
+    shapes = [(50304, 768), *[(768, 3072), (3072, 768), (768, 768), (3, 768, 768)] * 4]
+    if backend == "gloo":
+        shapes = [(*s[:-1], s[-1] // 8) for s in shapes]  # keep CPU processes quick
+    params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+    buckets = train_gpt.GradientBuckets(params, 25_000_000, world_size)
+
+    def grads_of(r):
+        g = torch.Generator().manual_seed(r)
+        return [torch.randn(s, generator=g).to(device) for s in shapes]
+
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        sum((p * g).sum() for p, g in zip(params, grads_of(rank))).backward()
+        buckets.wait_for_gradients()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        got = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+    expected = [torch.stack(gs).mean(0) for gs in zip(*(grads_of(r) for r in range(world_size)))]
+    error = max(float((a - b).abs().max()) for a, b in zip(got, expected))
+    megabytes = sum(p.numel() * p.element_size() for p in params) / 1e6
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(dict(error=error, world_size=world_size, buckets=len(buckets.buckets),
+                                                  megabytes=megabytes, ms=1000 * min(times))))
+    dist.destroy_process_group()
+
+
+def check_allreduce(device: torch.device, timeout: float = 120) -> str:
+    if device.type == "cuda":
+        if torch.cuda.device_count() < 2:
+            raise Skip("needs 2 or more GPUs")
+        backend, nproc = "nccl", torch.cuda.device_count()
+    else:
+        backend, nproc = "gloo", 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "allreduce.json"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                               str(Path(__file__).resolve()), "--allreduce-worker", str(out), backend],
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0 or not out.exists():
+            errors = [line for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line] or ["no error message"]
+            raise AssertionError(f"{nproc} processes failed (exit {proc.returncode}): {errors[-1].strip()}")
+        r = json.loads(out.read_text())
+    if r["error"] > 1e-5:
+        raise AssertionError(f"max difference {r['error']:.1e} from the average computed in one process")
+    return (f"{backend}, {r['world_size']} processes, {r['megabytes']:.0f} MB in {r['buckets']} buckets: max difference "
+            f"{r['error']:.1e} from the single-process average; {r['ms']:.1f} ms backward + all-reduce")
+
+
+def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
+    """(name, PASS/FAIL/SKIP, figures or reason) per check."""
+    cuda = device.type == "cuda"
+    record = train_gpt.Hyperparameters()
+    training = train_gpt.dataclasses.replace(record, seq_len=CHECK_SEQ_LEN, batch_slots=1, num_iterations=100,
+                                             warmup_steps=0)
+    checks = [
+        ("environment", lambda: check_environment(device)),
+        ("fp8 matmul", lambda: check_fp8(device, *((record.seq_len, 768, 50304) if cuda else (128, 768, 1024)))),
+        ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
+                                            **({} if cuda else dict(heads=2, head_dim=32)))),
+        ("flex backward", lambda: check_flex(device, 4096, backward=True)),
+        ("training steps", lambda: check_training(device, training)),
+        ("all-reduce", lambda: check_allreduce(device)),
+    ]
+    rows = []
+    for name, check in checks:
+        t0 = time.perf_counter()
+        try:
+            status, detail = "PASS", check()
+        except Skip as why:
+            status, detail = "SKIP", str(why)
+        except Exception as e:  # a check that breaks is a FAIL with its reason, and the others still run
+            status, detail = "FAIL", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        rows.append((name, status, f"{detail} [{time.perf_counter() - t0:.1f}s]"))
+        print(f"{name:<16} {status:<5} {rows[-1][2]}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--allreduce-worker"]:
+        return allreduce_worker(*argv[1:])
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    train_gpt.configure_cuda_allocator()  # as the training script does, before CUDA initializes
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    print(f"{'check':<16} {'result':<5} figures")
+    rows = run_checks(device)
+    failed = [name for name, status, _ in rows if status == "FAIL"]
+    print(f"{len(rows) - len(failed) - sum(s == 'SKIP' for _, s, _ in rows)} passed, {len(failed)} failed, "
+          f"{sum(s == 'SKIP' for _, s, _ in rows)} skipped")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
