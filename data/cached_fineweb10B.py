@@ -17,7 +17,7 @@ import argparse
 import os
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +70,8 @@ def _explain(error):
 
 
 def _download(dataset, name, out_dir, staging):
-    """Fetch `name` into the folder `staging`, check its header, move it into `out_dir`; return its token count."""
+    """Fetch `name` into the folder `staging`, check its header and move it into `out_dir`;
+    return its token count."""
     try:
         staged = Path(huggingface_hub.hf_hub_download(
             repo_id=dataset.repo_id, filename=name, repo_type="dataset", local_dir=staging))
@@ -127,14 +128,21 @@ def download(dataset, n, out_dir, workers=DEFAULT_WORKERS):
     try:
         # Each file gets its own staging folder: concurrent transfers share no temporary path.
         futures = {pool.submit(_download, dataset, name, out_dir, staging / name): name for name in missing}
-        for i, future in enumerate(as_completed(futures), 1):
-            try:
-                count = future.result()
-            except (DownloadError, OSError) as e:
-                failed += 1
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            else:
-                print(f"[{i}/{len(missing)}] {out_dir / futures[future]}: {count:,} tokens", flush=True)
+        pending, finished = set(futures), 0
+        while pending:
+            # Wait in short steps: the kernel may hand Ctrl-C to a worker thread, and Python raises
+            # KeyboardInterrupt only once the main thread runs again.
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished += 1
+                try:
+                    count = future.result()
+                except (DownloadError, OSError) as e:
+                    failed += 1
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                else:
+                    path = out_dir / futures[future]
+                    print(f"[{finished}/{len(missing)}] {path}: {count:,} tokens", flush=True)
     finally:
         # Normally every file is done by now. After Ctrl-C, queued files never start, and what the
         # transfers still in flight have written goes with the staging folder.

@@ -6,6 +6,7 @@ huggingface_hub reads its settings when imported, and nothing of it is mocked.
 
 import collections
 import contextlib
+import ctypes
 import hashlib
 import os
 import re
@@ -327,11 +328,24 @@ def test_workers_transfer_files_at_the_same_time(hub, tmp_path, args, hold, over
     assert_served(hub, out, [VAL, TRAIN1, TRAIN2, TRAIN3])
 
 
-@pytest.mark.parametrize("workers, stalled, kept", [
-    (2, [TRAIN2, TRAIN3], [VAL, TRAIN1]),  # both workers in the middle of a file
-    (1, [VAL], []),  # one in the middle of a file, three queued
+def interrupt(proc, thread):
+    """SIGINT to the process, or to its newest thread only: the kernel may hand a Ctrl-C to
+    any thread that does not block it."""
+    if not thread:
+        proc.send_signal(signal.SIGINT)
+        return
+    tid = max(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+    if ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, tid, signal.SIGINT) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({proc.pid}, {tid}) failed")
+
+
+@pytest.mark.parametrize("workers, stalled, kept, thread", [
+    (2, [TRAIN2, TRAIN3], [VAL, TRAIN1], False),  # both workers in the middle of a file
+    (1, [VAL], [], False),  # one in the middle of a file, three queued
+    (1, [VAL], [], True),  # the signal lands on a thread that is not the main one
 ])
-def test_ctrl_c_during_transfers_leaves_no_partial_file_and_exits_at_once(hub, tmp_path, workers, stalled, kept):
+def test_ctrl_c_during_transfers_leaves_no_partial_file_and_exits_at_once(
+        hub, tmp_path, workers, stalled, kept, thread):
     hub.stall.update(stalled)
     proc, out = start(hub, tmp_path, "3", f"--workers={workers}")
     with proc:
@@ -341,7 +355,7 @@ def test_ctrl_c_during_transfers_leaves_no_partial_file_and_exits_at_once(hub, t
             for name in stalled:
                 assert (out / ".download" / name).is_dir()  # its transfer is staged
             started = time.monotonic()
-            proc.send_signal(signal.SIGINT)
+            interrupt(proc, thread)
             stdout, stderr = proc.communicate(timeout=20)
             # The stalled transfers stay open for 30 s: an exit that waited for them would show.
             assert time.monotonic() - started < 5
