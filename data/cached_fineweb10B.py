@@ -1,19 +1,23 @@
 """Download pre-tokenized FineWeb GPT-2 shards from the Hugging Face hub.
 
     python data/cached_fineweb10B.py [N] [--dataset fineweb10B|finewebedu10B|fineweb100B] [--out DIR]
+                                     [--workers W]
 
 Fetches the validation shard and the first N training shards (default 8, the record run's
-need; each holds 100M tokens, about 200 MB) into data/<dataset>/. Files already there with a
-valid header are kept. Each file is downloaded into DIR/.download/ and moved to its final name
-only once its header checks out, so a final name never holds a partial file; a failed run
-removes DIR/.download/, so do not run two downloads into one folder at once. HF_ENDPOINT,
-HF_TOKEN and the other huggingface_hub settings apply as usual.
+need; each holds 100M tokens, about 200 MB) into data/<dataset>/, W files at a time (default
+4). Files already there with a valid header are kept. Each file is downloaded into its own
+folder under DIR/.download/ and moved to its final name only once its header checks out, so a
+final name never holds a partial file. A file that fails gets one error line and the others
+still finish; the exit status is then 1 and a rerun fetches only what is missing. The run
+removes DIR/.download/ when it ends, on Ctrl-C too, so do not run two downloads into one
+folder at once. HF_ENDPOINT, HF_TOKEN and the other huggingface_hub settings apply as usual.
 """
 
 import argparse
 import os
 import shutil
 import sys
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import shards
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_SHARDS = 8
+DEFAULT_WORKERS = 4  # files at once: a few connections fill a typical link without hammering the hub
 STAGING = ".download"
 
 
@@ -65,6 +70,8 @@ def _explain(error):
 
 
 def _download(dataset, name, out_dir, staging):
+    """Fetch `name` into the folder `staging`, check its header and move it into `out_dir`;
+    return its token count."""
     try:
         staged = Path(huggingface_hub.hf_hub_download(
             repo_id=dataset.repo_id, filename=name, repo_type="dataset", local_dir=staging))
@@ -85,11 +92,16 @@ def _download(dataset, name, out_dir, staging):
     return count
 
 
-def download(dataset, n, out_dir):
-    """Make sure `out_dir` holds the val shard and train shards 1..n of `dataset`."""
+def download(dataset, n, out_dir, workers=DEFAULT_WORKERS):
+    """Make sure `out_dir` holds the val shard and train shards 1..n of `dataset`, fetching
+    `workers` files at once. Prints one error line per file that fails; returns how many failed."""
     if not 0 <= n <= dataset.train_shards:
         raise DownloadError(
             f"N={n} is out of range: {dataset.repo_id} has train shards 1 to {dataset.train_shards}"
+        )
+    if workers < 1:
+        raise DownloadError(
+            f"--workers={workers} is out of range: give the number of files to fetch at once, 1 or more"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     names = shard_names(dataset, n)
@@ -106,17 +118,37 @@ def download(dataset, n, out_dir):
             missing.append(name)
     print(f"{len(names) - len(missing)} of {len(names)} shards already in {out_dir}", flush=True)
     if not missing:
-        return
+        return 0
     staging = out_dir / STAGING
     # A run that was killed can leave a partial download behind; it is of no use now.
     shutil.rmtree(staging, ignore_errors=True)
+    print(f"downloading {len(missing)} shards from {dataset.repo_id}, {workers} at a time", flush=True)
+    pool = ThreadPoolExecutor(max_workers=workers)
+    failed = 0
     try:
-        for i, name in enumerate(missing, 1):
-            print(f"[{i}/{len(missing)}] downloading {name} from {dataset.repo_id}", flush=True)
-            count = _download(dataset, name, out_dir, staging)
-            print(f"[{i}/{len(missing)}] {out_dir / name}: {count:,} tokens", flush=True)
+        # Each file gets its own staging folder: concurrent transfers share no temporary path.
+        futures = {pool.submit(_download, dataset, name, out_dir, staging / name): name for name in missing}
+        pending, finished = set(futures), 0
+        while pending:
+            # Wait in short steps: the kernel may hand Ctrl-C to a worker thread, and Python raises
+            # KeyboardInterrupt only once the main thread runs again.
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished += 1
+                try:
+                    count = future.result()
+                except (DownloadError, OSError) as e:
+                    failed += 1
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                else:
+                    path = out_dir / futures[future]
+                    print(f"[{finished}/{len(missing)}] {path}: {count:,} tokens", flush=True)
     finally:
+        # Normally every file is done by now. After Ctrl-C, queued files never start, and what the
+        # transfers still in flight have written goes with the staging folder.
+        pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(staging, ignore_errors=True)
+    return failed
 
 
 def main(argv=None):
@@ -125,17 +157,24 @@ def main(argv=None):
                         help=f"number of train shards (default {DEFAULT_SHARDS})")
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb10B")
     parser.add_argument("--out", type=Path, help="target folder (default data/<dataset>)")
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, metavar="W",
+                        help=f"files to download at once (default {DEFAULT_WORKERS})")
     args = parser.parse_args(argv)
     out_dir = args.out or DATA_DIR / args.dataset
     try:
-        download(DATASETS[args.dataset], args.n, out_dir)
+        failed = download(DATASETS[args.dataset], args.n, out_dir, args.workers)
     except (DownloadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted; rerun to continue (finished shards are kept)", file=sys.stderr)
-        return 130
-    return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Worker threads blocked in a transfer cannot be interrupted, and a normal exit joins the
+        # pool's threads, so it would wait for every transfer to end. What they write was staged
+        # in a folder that is already removed, so end the process now.
+        os._exit(130)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
