@@ -21,8 +21,11 @@ import math
 import os
 import platform
 import resource
+import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,6 +47,14 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 SEPARATOR = "=" * 100  # ends the logged source; tools/records.py splits logs on it
 
 
+class ConfigError(ValueError):
+    """A setting, path or checkpoint the run cannot use; the message names it and says what to do."""
+
+
+class DataError(ValueError):
+    """A data file the run cannot use; the message names it and says what to do."""
+
+
 class RunLog:
     """Rank 0 writes logs/<run_id>.txt and flushes every line; other ranks write nothing."""
 
@@ -51,8 +62,15 @@ class RunLog:
         self.path = path
         self.file = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "x")  # "x": never overwrite another run's log
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "x")  # "x": never overwrite another run's log
+            except FileExistsError:
+                raise ConfigError(f"{path} already exists: run_id {path.stem!r} was used before; pick another "
+                                  f"--run_id (logs are never overwritten)") from None
+            except OSError as e:
+                raise ConfigError(f"--log_dir={path.parent}: cannot write the log there ({e.strerror}); "
+                                  f"pick a writable folder") from None
 
     def __call__(self, message: str, console: bool = True):
         if self.file is None:
@@ -682,12 +700,8 @@ class GradientBuckets:
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 
 
-class DataError(ValueError):
-    pass
-
-
-def load_shard(path: Path, pin_memory: bool = False) -> Tensor:
-    """All tokens of one shard, validated, as a uint16 tensor."""
+def load_shard(path: Path, vocab_size: int, pin_memory: bool = False) -> Tensor:
+    """All tokens of one shard, validated (header, size, every id below vocab_size), as a uint16 tensor."""
     size = path.stat().st_size
     header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     if header.size < SHARD_HEADER_INTS:
@@ -704,6 +718,13 @@ def load_shard(path: Path, pin_memory: bool = False) -> Tensor:
     with open(path, "rb", buffering=0) as f:
         f.seek(4 * SHARD_HEADER_INTS)
         f.readinto(tokens.numpy())
+    # One pass over the shard: an id past the embedding would crash deep inside the model (on CUDA as
+    # a device-side assert in every rank) without naming the file.
+    ids = tokens.numpy()
+    if num_tokens and ids.max() >= vocab_size:
+        position = int(np.argmax(ids >= vocab_size))
+        raise DataError(f"{path}: token id {ids[position]} at position {position} is not below vocab_size={vocab_size}; "
+                        f"the shard is corrupt or made with another tokenizer")
     return tokens
 
 
@@ -720,14 +741,14 @@ class TokenStream:
     taken consecutively from the shards; rank r gets slots r, r + W, r + 2W, ... (one per micro-step).
     Wraps around to the first shard after the last. state_dict() is the exact read position."""
 
-    def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device):
+    def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int):
         self.paths = shard_paths(pattern, "train")
-        self.seq_len, self.num_slots, self.device = seq_len, num_slots, device
+        self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
         self.shard_index, self.pos, self.epoch = 0, 0, 0
         self.tokens = self._load(0)
 
     def _load(self, index: int) -> Tensor:
-        tokens = load_shard(self.paths[index], pin_memory=self.device.type == "cuda")
+        tokens = load_shard(self.paths[index], self.vocab_size, pin_memory=self.device.type == "cuda")
         if len(tokens) < self.num_slots * self.seq_len + 1:
             raise DataError(f"{self.paths[index]}: {len(tokens)} tokens, fewer than one batch "
                             f"({self.num_slots} x {self.seq_len} + 1)")
@@ -759,14 +780,14 @@ class TokenStream:
         return micro_batches
 
 
-def validation_sequences(pattern: str, num_tokens: int, seq_len: int) -> Tensor:
+def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size: int) -> Tensor:
     """The first num_tokens + 1 validation tokens as (num_tokens // seq_len, seq_len + 1) windows
     (targets overlap the next input by one token), identical for every run and world size."""
     tokens, have = [], 0
     for path in shard_paths(pattern, "val"):
         if have > num_tokens:
             break
-        tokens.append(load_shard(path))
+        tokens.append(load_shard(path, vocab_size))
         have += len(tokens[-1])
     if have < num_tokens + 1:
         raise DataError(f"val_tokens={num_tokens} but the files matching {pattern!r} hold only {have} tokens")
@@ -835,7 +856,7 @@ class Hyperparameters:
     checkpoint_dir: str = "checkpoints"  # where checkpoints/<run_id>/step_NNNNNN.pt go
     save_checkpoint: bool = False  # save model, optimizers, step and data position at the end
     checkpoint_every: int = 0  # also save every N steps; 0: never
-    resume: str = ""  # checkpoint to continue from
+    resume: str = ""  # checkpoint to continue from, or latest: the newest of --run_id in checkpoint_dir
 
 
 PRESETS = {
@@ -868,10 +889,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # the values of
 RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
                      "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
                      "exact_grad_sum"}
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _convert(field: dataclasses.Field, text: str):
@@ -1028,32 +1045,120 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
+CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
+
+
 def save_checkpoint(path: Path, model: GPT, optimizers, step: int, stream: TokenStream, args: Hyperparameters,
                     clock: dict):
+    """Written to a temporary file and renamed: a final name never holds a partial checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
                  data=stream.state_dict(), hyperparameters=dataclasses.asdict(args), clock=clock)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, model: GPT, optimizers, stream: TokenStream, args: Hyperparameters) -> tuple[int, dict]:
-    """Restores the state in place; returns the step and the training clock to continue from."""
+def check_writable(folder: Path, option: str):
+    """Fails now, naming the option, rather than after training when the first file is saved."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--{option}={folder}: cannot write there ({e.strerror or e}); pick a writable folder") from None
+
+
+def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
+    """The checkpoint of run_id with the highest step, for --resume=latest."""
+    if not run_id:
+        raise ConfigError("--resume=latest needs --run_id=<the run to continue>")
+    found = sorted(Path(checkpoint_dir, run_id).glob("step_*.pt"))
+    if not found:
+        raise ConfigError(f"--resume=latest: no checkpoints in {Path(checkpoint_dir, run_id)}; "
+                          f"check --run_id and --checkpoint_dir")
+    return found[-1]  # step numbers are zero-padded, so the names sort by step
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint written by save_checkpoint, loaded to CPU without running any pickled code."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise ConfigError(f"--resume={path}: cannot read the checkpoint ({str(e).splitlines()[0]})") from None
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such checkpoint") from None
+    except Exception as e:  # unpickling raises many types; any of them means the same to the user
+        raise ConfigError(f"{path}: not a readable checkpoint of train_gpt.py ({str(e).strip().splitlines()[0]})") from None
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise ConfigError(f"{path}: not a checkpoint of train_gpt.py (it lacks {', '.join(sorted(CHECKPOINT_KEYS))})")
+    return state
+
+
+def check_resumable(state: dict, path: Path, args: Hyperparameters):
     saved, now = state["hyperparameters"], dataclasses.asdict(args)
     mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
                   if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
     if mismatched:
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
+
+
+def restore_checkpoint(state: dict, model: GPT, optimizers, stream: TokenStream) -> tuple[int, dict]:
+    """Restores the state in place; returns the step and the training clock to continue from."""
     model.load_state_dict(state["model"])
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
     stream.load_state_dict(state["data"])
     return state["step"], state["clock"]
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after an optimizer step; the message says how to resume."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for a process ended by that signal
+
+
+class StopSignals:
+    """SIGTERM (what SLURM and cloud preemption send) and SIGINT (Ctrl-C) let the current optimizer step
+    finish instead of killing it; the training loop then saves a checkpoint and stops. A second signal
+    ends the process at once. Ranks must stop after the same step, so with several processes the flag
+    is agreed on by an all-reduce on a CPU (gloo) group, launched asynchronously at one step and read
+    at the next: no GPU synchronization, and a rank's CPU never waits on a slower rank for it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, world_size: int):
+        self.received = 0
+        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.in_flight = None  # (flag tensor, all-reduce work) launched at the previous check
+
+    def _on_signal(self, signum, frame):
+        if self.received:
+            os._exit(128 + signum)
+        self.received = signum
+
+    def agreed(self) -> int:
+        """The signal every rank stops on (0: none yet); called once per optimizer step on every rank."""
+        if self.group is None:
+            return self.received
+        agreed = 0
+        if self.in_flight is not None:
+            flag, work = self.in_flight
+            work.wait()
+            agreed = int(flag)
+        flag = torch.full((1,), self.received, dtype=torch.int64)
+        self.in_flight = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        return agreed
+
+    def close(self):
+        if self.in_flight is not None:
+            self.in_flight[1].wait()
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def configure_cuda_allocator(environ=os.environ) -> str:
@@ -1242,9 +1347,9 @@ class TrainingClock:
 
 
 def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: RunLog, run_id: str,
-                  start_step: int, clock: TrainingClock) -> tuple[dict, dict, list[Path]]:
+                  start_step: int, clock: TrainingClock, stop: StopSignals, argv: list[str]) -> tuple[dict, dict, list[Path]]:
     """Steps start_step..num_iterations with validation, logging and checkpoints on schedule; returns
-    (val_losses, train_losses, checkpoints)."""
+    (val_losses, train_losses, checkpoints). Raises Preempted after the step in which a signal came."""
     args, rank, world_size = trainer.args, trainer.rank, trainer.world_size
     val_losses, train_losses, checkpoints = {}, {}, []
 
@@ -1287,9 +1392,33 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             pause_clock()
             save(step + 1)
             t0 = time.perf_counter()
+        signum = stop.agreed()
+        if signum:
+            pause_clock()
+            raise Preempted(signum, stopped_after(signal.Signals(signum).name, step + 1, save, checkpoints, run_id, argv,
+                                                  trainer.world_size, log))
     if args.save_checkpoint:
         save(args.num_iterations)
     return val_losses, train_losses, checkpoints
+
+
+def stopped_after(signal_name: str, step: int, save, checkpoints: list[Path], run_id: str, argv: list[str],
+                  world_size: int, log: RunLog) -> str:
+    """Saves a checkpoint of the finished step where possible and says how to resume from it."""
+    path = next((p for p in reversed(checkpoints) if p.name == f"step_{step:06d}.pt"), None)
+    if path is None:
+        try:
+            save(step)
+            path = checkpoints[-1]
+        except OSError as e:
+            message = f"{signal_name} after step {step}: no checkpoint saved ({e.strerror or e}); the run cannot be resumed from here"
+            log(message)
+            return message
+    kept = [a for a in argv if not a.startswith(("--resume", "--run_id"))]
+    launcher = ["torchrun", "--standalone", f"--nproc_per_node={world_size}"] if world_size > 1 else ["python"]
+    command = shlex.join([*launcher, "train_gpt.py", *kept, f"--run_id={run_id}", f"--resume={path}"])
+    log(f"stopped by {signal_name} after step {step}; checkpoint: {path}")
+    return f"stopped by {signal_name} after step {step}; resume with: {command}"
 
 
 def final_report(log: RunLog, trainer: Trainer, clock: TrainingClock, val_losses: dict, val_entropy: float,
@@ -1314,6 +1443,18 @@ def final_report(log: RunLog, trainer: Trainer, clock: TrainingClock, val_losses
     log(peak_memory_line(device))
 
 
+def log_path_for(log_dir: Path, run_id: str, resuming: bool) -> tuple[Path, Path | None]:
+    """logs/<run_id>.txt; a resumed run whose log exists continues in <run_id>.resume<N>.txt, naming
+    the newest log before it. Returns (path, the log it continues or None)."""
+    path = log_dir / f"{run_id}.txt"
+    if not resuming or not path.exists():
+        return path, None
+    n = 1
+    while (log_dir / f"{run_id}.resume{n}.txt").exists():
+        path, n = log_dir / f"{run_id}.resume{n}.txt", n + 1
+    return log_dir / f"{run_id}.resume{n}.txt", path
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input."""
     source = Path(__file__).read_text()  # logged first, so every run carries its exact code
@@ -1323,12 +1464,21 @@ def main(argv: list[str] | None = None) -> dict:
     args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
     check_hyperparameters(args, world_size)
     # Data problems surface before anything is written.
-    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device)
-    val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len)
+    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size)
+    val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
     if device.type == "cuda":
         val_sequences = val_sequences.pin_memory()
     run_id = args.run_id or str(uuid.uuid4())
-    log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rank == 0 else None)
+    # Every path the run will write or read is checked before the log exists and before training.
+    resume_from = latest_checkpoint(args.checkpoint_dir, args.run_id) if args.resume == "latest" else Path(args.resume)
+    checkpoint = read_checkpoint(resume_from) if args.resume else None
+    if checkpoint is not None:
+        check_resumable(checkpoint, resume_from, args)
+    if args.save_checkpoint or args.checkpoint_every:
+        check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
+    log_path, continues = log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
+    log = RunLog(log_path if rank == 0 else None)
+    stop = StopSignals(world_size)
     try:
         paths = choose_fast_paths(args, device, allocator)
         log_header(log, source, args, preset, device, world_size, paths)
@@ -1336,20 +1486,23 @@ def main(argv: list[str] | None = None) -> dict:
         for line in trainer.describe():
             log(line, console=False)
         start_step, clock = 0, TrainingClock()
-        if args.resume:
-            start_step, saved_clock = load_checkpoint(Path(args.resume), trainer.model, trainer.optimizers, stream, args)
+        if checkpoint is not None:
+            start_step, saved_clock = restore_checkpoint(checkpoint, trainer.model, trainer.optimizers, stream)
             clock = TrainingClock(**saved_clock)
-            log(f"resumed from {args.resume} at step {start_step}")
+            del checkpoint
+            log(f"resumed from {resume_from} at step {start_step}" + (f"; continues the log {continues}" if continues else ""))
         if args.warmup_steps:
             t0 = time.perf_counter()
             trainer.warm_up(start_step)
             log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
-        val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step, clock)
+        val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step,
+                                                              clock, stop, argv)
         val_entropy = unigram_entropy(val_sequences, args.vocab_size)
         final_report(log, trainer, clock, val_losses, val_entropy, checkpoints)
         return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
                     log_path=log.path, checkpoints=checkpoints, run_id=run_id)
     finally:
+        stop.close()
         log.close()
 
 
@@ -1362,6 +1515,10 @@ if __name__ == "__main__":
     except (ConfigError, DataError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -119,8 +119,8 @@ def test_each_optimizer_group_gets_its_lr():
 def test_ranks_split_the_same_global_batch(tiny_shards):
     """Whatever the world size, one step's slots are the same consecutive token windows."""
     pattern = tiny_shards[0].split("=", 1)[1]
-    one = train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu")).next_batch(0, 1)
-    streams = [train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu")) for _ in range(2)]
+    one = train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu"), 50257).next_batch(0, 1)
+    streams = [train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu"), 50257) for _ in range(2)]
     two = [s.next_batch(rank, 2) for rank, s in enumerate(streams)]
     slots = {slot: mb for rank in range(2) for slot, mb in zip(range(rank, 4, 2), two[rank])}
     for slot, (inputs, targets) in enumerate(one):

@@ -1,0 +1,163 @@
+"""A run is never lost: bad input is refused before training with one line naming the file or value,
+and SIGTERM / Ctrl-C finish the step, save a checkpoint and print the command that resumes it, whose
+run then equals the uninterrupted one bit for bit (one process, and two under torchrun)."""
+
+import glob
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, TINY_RUN
+from test_distributed import TRAIN_GPT, env, finish, start, torchrun
+
+import shards
+
+RESUME_LINE = re.compile(r"^stopped by (SIG\w+) after step (\d+); resume with: (.+)$", re.MULTILINE)
+
+
+def run_script(tmp_path, *args, timeout=180):
+    proc = subprocess.run([sys.executable, str(TRAIN_GPT), *TINY_RUN, *args], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def assert_one_line_error(proc, expected: str):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+
+
+@pytest.fixture
+def corrupt_shards(tiny_shards, tmp_path):
+    """Copies of the tiny shards in which the train (or val) shard holds token id 60000 at position 1234."""
+    def make(which: str) -> list[str]:
+        args = []
+        for arg in tiny_shards:
+            option, pattern = arg.split("=", 1)
+            kind = "train" if option == "--train_files" else "val"
+            tokens = shards.read_shard(glob.glob(pattern)[0]).astype(np.int64)
+            if kind == which:
+                tokens[1234] = 60000
+            shards.write_shard(tmp_path / f"bad_{kind}_000000.bin", tokens)
+            args.append(f"{option}={tmp_path}/bad_{kind}_*.bin")
+        return args
+    return make
+
+
+@pytest.mark.parametrize("which", ["train", "val"])
+def test_a_token_id_past_the_vocabulary_names_the_shard_and_position(corrupt_shards, tmp_path, which):
+    proc = run_script(tmp_path, *corrupt_shards(which), f"--log_dir={tmp_path / 'logs'}")
+    assert_one_line_error(proc, f"bad_{which}_000000.bin: token id 60000 at position 1234 is not below vocab_size=50257")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_an_unwritable_checkpoint_dir_fails_before_training(tiny_shards, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = run_script(tmp_path, *tiny_shards, "--num_iterations=50", "--checkpoint_every=10",
+                      f"--checkpoint_dir={blocker / 'ckpt'}", f"--log_dir={tmp_path / 'logs'}")
+    assert_one_line_error(proc, f"--checkpoint_dir={blocker / 'ckpt'}/")
+    assert "cannot write there" in proc.stderr and "step:" not in proc.stdout
+    assert not (tmp_path / "logs").exists()
+
+
+def test_an_unwritable_log_dir_and_a_used_run_id_are_refused(tiny_shards, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = run_script(tmp_path, *tiny_shards, f"--log_dir={blocker / 'logs'}")
+    assert_one_line_error(proc, f"--log_dir={blocker / 'logs'}: cannot write the log there")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "taken.txt").write_text("an earlier run's log\n")
+    proc = run_script(tmp_path, *tiny_shards, f"--log_dir={tmp_path / 'logs'}", "--run_id=taken")
+    assert_one_line_error(proc, f"{tmp_path / 'logs' / 'taken.txt'} already exists: run_id 'taken' was used before")
+    assert (tmp_path / "logs" / "taken.txt").read_text() == "an earlier run's log\n"
+
+
+@pytest.mark.parametrize("resume, expected", [
+    ("notes.txt", "notes.txt: not a readable checkpoint of train_gpt.py"),
+    ("missing.pt", "missing.pt: no such checkpoint"),
+    ("latest", "--resume=latest needs --run_id"),
+])
+def test_resuming_from_something_that_is_no_checkpoint_is_refused(tiny_shards, tmp_path, resume, expected):
+    (tmp_path / "notes.txt").write_text("just some text\n")
+    proc = run_script(tmp_path, *tiny_shards, f"--resume={tmp_path / resume if resume != 'latest' else resume}",
+                      f"--log_dir={tmp_path / 'logs'}")
+    assert_one_line_error(proc, expected)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_resume_latest_without_checkpoints_names_the_folder(tiny_shards, tmp_path):
+    proc = run_script(tmp_path, *tiny_shards, "--resume=latest", "--run_id=nothing", f"--checkpoint_dir={tmp_path / 'ck'}")
+    assert_one_line_error(proc, f"--resume=latest: no checkpoints in {tmp_path / 'ck' / 'nothing'}")
+
+
+ITERATIONS = 40
+
+
+def interrupted(cmd, cwd, signum=signal.SIGTERM, after_step=4, timeout=240):
+    """Runs cmd, sends signum to it once a later step than after_step is logged; returns (exit code, output)."""
+    proc = start(cmd, cwd)
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.match(rf"step:{after_step + 1}/{ITERATIONS} ", line):
+            proc.send_signal(signum)
+            break
+    code, rest = finish(proc, timeout)
+    return code, "".join(seen) + rest
+
+
+def final_state(ckpt_dir):
+    return torch.load(ckpt_dir / f"step_{ITERATIONS:06d}.pt", map_location="cpu", weights_only=True)
+
+
+def train_losses(output: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^step:(\d+)/\d+ train_loss:(\S+) ", output, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("nproc, signum", [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM)])
+def test_a_signal_saves_a_checkpoint_and_the_resumed_run_equals_the_uninterrupted_one(tiny_shards, tmp_path, nproc, signum):
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    common = [*TINY_RUN, *tiny_shards, f"--num_iterations={ITERATIONS}", "--val_loss_every=20", "--train_loss_every=1",
+              "--checkpoint_every=15", "--save_checkpoint", f"--log_dir={tmp_path / 'logs'}"]
+    whole = finish(start([*launcher, TRAIN_GPT, *common, "--run_id=whole", f"--checkpoint_dir={tmp_path / 'w'}"],
+                         tmp_path), 240)
+    assert whole[0] == 0, whole[1][-3000:]
+
+    code, out = interrupted([*launcher, TRAIN_GPT, *common, "--run_id=cut", f"--checkpoint_dir={tmp_path / 'c'}"],
+                            tmp_path, signum)
+    # one process exits as the shell reports a signal's end; torchrun reports its own SignalException (exit 1)
+    assert code == (128 + signum if nproc == 1 else 1), out[-3000:]
+    (name, step, command), = RESUME_LINE.findall(out)
+    step = int(step)
+    assert name == signal.Signals(signum).name and 5 <= step < ITERATIONS
+    checkpoint = tmp_path / "c" / "cut" / f"step_{step:06d}.pt"
+    assert checkpoint.exists() and not list((tmp_path / "c").rglob("*.tmp"))
+    assert f"--resume={checkpoint}" in command and "--run_id=cut" in command
+    assert command.startswith("python train_gpt.py " if nproc == 1 else f"torchrun --standalone --nproc_per_node={nproc} train_gpt.py ")
+    assert f"stopped by {name} after step {step}; checkpoint: {checkpoint}" in (tmp_path / "logs" / "cut.txt").read_text()
+
+    words = shlex.split(command)  # the printed command is quoted for a shell
+    resume_args = words[words.index("train_gpt.py") + 1:]
+    resumed = finish(start([*launcher, TRAIN_GPT, *resume_args], tmp_path), 240)
+    assert resumed[0] == 0, resumed[1][-3000:]
+    continued = (tmp_path / "logs" / "cut.resume1.txt").read_text()
+    assert f"resumed from {checkpoint} at step {step}; continues the log {tmp_path / 'logs' / 'cut.txt'}" in continued
+
+    expected, got = final_state(tmp_path / "w" / "whole"), final_state(tmp_path / "c" / "cut")
+    for key, tensor in expected["model"].items():
+        assert torch.equal(tensor, got["model"][key]), key
+    assert got["data"] == expected["data"]
+    whole_losses, cut_losses, resumed_losses = train_losses(whole[1]), train_losses(out), train_losses(resumed[1])
+    assert {s: cut_losses[s] for s in range(1, step + 1)} == {s: whole_losses[s] for s in range(1, step + 1)}
+    assert resumed_losses == {s: whole_losses[s] for s in range(step + 1, ITERATIONS + 1)}
