@@ -1014,6 +1014,32 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+PEAK_MEASURE_SECONDS = 1.0  # long enough to average out a thread's warm-up, short beside any run
+PEAK_MEASURE_SIZE = {"cpu": 2048, "cuda": 8192}  # square matmuls on the plateau of each device's speed
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """FLOP/s of one process that MFU is measured against, and where the figure comes from: the
+    datasheet's dense bf16 peak for known GPUs, else measured here, square matmuls in the run's dtype
+    for about a second."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+        if known:
+            return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
+    size = PEAK_MEASURE_SIZE["cuda" if device.type == "cuda" else "cpu"]
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    repeats, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < PEAK_MEASURE_SECONDS:
+        a @ b
+        sync()
+        repeats += 1
+    elapsed = time.perf_counter() - t0
+    flops = 2 * size**3 * repeats / elapsed
+    return flops, f"{flops / 1e9:.1f} GFLOP/s {str(dtype).removeprefix('torch.')} measured ({repeats} {size}x{size} matmuls in {elapsed:.2f}s)"
 
 
 def flops_per_token(model: GPT, args: Hyperparameters) -> float:
@@ -1422,18 +1448,16 @@ def stopped_after(signal_name: str, step: int, save, checkpoints: list[Path], ru
 
 
 def final_report(log: RunLog, trainer: Trainer, clock: TrainingClock, val_losses: dict, val_entropy: float,
-                 checkpoints: list[Path]):
+                 checkpoints: list[Path], peak: tuple[float, str]):
     """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory."""
     args, device, world_size = trainer.args, trainer.device, trainer.world_size
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
     tokens_per_second = clock.timed_steps * args.batch_slots * args.seq_len / max(clock.training_ms / 1000, 1e-9)
-    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items()
-                 if device.type == "cuda" and name in torch.cuda.get_device_name(device)), None)
     achieved = flops_per_token(trainer.model, args) * tokens_per_second
-    mfu = (f"MFU {100 * achieved / (peak * world_size):.1f}% of {world_size} x {peak / 1e12:.0f} TFLOP/s bf16"
-           if peak else f"MFU n/a (no known peak for {device.type}); {achieved / 1e9:.1f} GFLOP/s achieved")
-    log(f"throughput: {tokens_per_second:.0f} tokens/s, {mfu}")
+    peak_flops, peak_source = peak
+    log(f"throughput: {tokens_per_second:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, MFU "
+        f"{100 * achieved / (peak_flops * world_size):.1f}% of {world_size} x {peak_source}")
     if trainer.buckets is not None:
         log(f"gradient buckets: {len(trainer.buckets.buckets)}, all-reduces per bucket {trainer.buckets.reductions} "
             f"over {trainer.buckets.steps} synchronized steps", console=False)
@@ -1482,6 +1506,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         paths = choose_fast_paths(args, device, allocator)
         log_header(log, source, args, preset, device, world_size, paths)
+        peak = matmul_peak(device, DTYPES[args.dtype])
+        log(f"matmul peak for MFU: {peak[1]}", console=False)
         trainer = Trainer(args, rank, world_size, device, paths)
         for line in trainer.describe():
             log(line, console=False)
@@ -1498,7 +1524,7 @@ def main(argv: list[str] | None = None) -> dict:
         val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step,
                                                               clock, stop, argv)
         val_entropy = unigram_entropy(val_sequences, args.vocab_size)
-        final_report(log, trainer, clock, val_losses, val_entropy, checkpoints)
+        final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak)
         return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
                     log_path=log.path, checkpoints=checkpoints, run_id=run_id)
     finally:

@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,23 @@ def test_fast_paths_on_cuda_say_how_attention_fits(monkeypatch):
     assert "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True" in compiled.lines
     assert "fp8 lm_head: on (compute capability 9.0), gradient scale record" in compiled.lines
     assert "muon: newton_schulz, compiled" in compiled.lines
+
+
+def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
+    """The log names the measured matmul peak, and the MFU it reports is achieved FLOP/s over that peak."""
+    result = run(tiny_shards, tmp_path, "--num_iterations=3")
+    text = Path(result["log_path"]).read_text()
+    peak = re.search(r"^matmul peak for MFU: ([\d.]+) GFLOP/s float32 measured \((\d+) 2048x2048 matmuls in ([\d.]+)s\)$",
+                     text, re.MULTILINE)
+    assert peak, text[-2000:]
+    repeats, seconds = int(peak[2]), float(peak[3])
+    assert seconds >= train_gpt.PEAK_MEASURE_SECONDS
+    assert float(peak[1]) == pytest.approx(2 * 2048**3 * repeats / seconds / 1e9, rel=0.01)
+    line = re.search(r"^throughput: (\d+) tokens/s, ([\d.]+) GFLOP/s, MFU ([\d.]+)% of 1 x ([\d.]+) GFLOP/s float32 measured",
+                     text, re.MULTILINE)
+    assert line, text[-2000:]
+    achieved, mfu, peak_gflops = float(line[2]), float(line[3]), float(line[4])
+    assert peak_gflops == float(peak[1])
+    # both figures are rounded to one decimal in the log
+    assert mfu == pytest.approx(100 * achieved / peak_gflops, abs=100 * 0.05 / peak_gflops + 0.05)
+    assert 0 < mfu < 100

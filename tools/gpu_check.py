@@ -171,9 +171,8 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
         raise AssertionError(f"the loss did not fall on a repeated batch: {[round(x, 3) for x in losses]}")
     tokens_per_second = args.batch_slots * args.seq_len / (step_ms / 1000)
     achieved = train_gpt.flops_per_token(trainer.model, args) * tokens_per_second
-    peak = next((f for name, f in train_gpt.PEAK_BF16_FLOPS.items()
-                 if device.type == "cuda" and name in torch.cuda.get_device_name(device)), None)
-    mfu = f"MFU {100 * achieved / peak:.1f}%" if peak else f"{achieved / 1e12:.2f} TFLOP/s"
+    peak, source = train_gpt.matmul_peak(device, train_gpt.DTYPES[args.dtype])
+    mfu = f"{achieved / 1e12:.2f} TFLOP/s, MFU {100 * achieved / peak:.1f}% of {source}"
     return (f"{args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens: loss "
             f"{losses[0]:.2f} -> {losses[-1]:.2f}; {step_ms:.1f} ms/step, {tokens_per_second:,.0f} tokens/s, {mfu}")
 
