@@ -1149,8 +1149,9 @@ class Preempted(Exception):
 
 class StopSignals:
     """SIGTERM (what SLURM and cloud preemption send) and SIGINT (Ctrl-C) let the current optimizer step
-    finish instead of killing it; the training loop then saves a checkpoint and stops. A second signal
-    ends the process at once. Ranks must stop after the same step, so with several processes the flag
+    finish instead of killing it; the training loop then saves a checkpoint and stops. Repeats are
+    ignored (a launcher may forward the signal the process already got); SIGKILL ends a run at once.
+    Ranks must stop after the same step, so with several processes the flag
     is agreed on by an all-reduce on a CPU (gloo) group, launched asynchronously at one step and read
     at the next: no GPU synchronization, and a rank's CPU never waits on a slower rank for it."""
 
@@ -1163,9 +1164,7 @@ class StopSignals:
         self.in_flight = None  # (flag tensor, all-reduce work) launched at the previous check
 
     def _on_signal(self, signum, frame):
-        if self.received:
-            os._exit(128 + signum)
-        self.received = signum
+        self.received = self.received or signum
 
     def agreed(self) -> int:
         """The signal every rank stops on (0: none yet); called once per optimizer step on every rank."""
