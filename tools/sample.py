@@ -34,7 +34,8 @@ class CheckpointError(Exception):
     pass
 
 
-def load_model(path, device: torch.device, min_seq_len: int = 0, dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
+def load_model(path, device: torch.device, min_seq_len: int = 0,
+               dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
     """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, its
     embeddings (hence activations) in dtype, by default the one it trained in; and the long window
     (in blocks) it had at the checkpoint's step."""
@@ -87,16 +88,16 @@ def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, windo
     """Yields up to max_new_tokens tokens that follow prompt, <|endoftext|> included (the caller
     decides whether a new document may follow). use_cache=False re-runs the whole prefix each step."""
     device = model.embed.weight.device
-    sequence = torch.tensor(prompt, dtype=torch.long, device=device)
+    new = sequence = torch.tensor(prompt, dtype=torch.long, device=device)
     cache = train_gpt.KVCache(model.num_layers) if use_cache else None
-    new = sequence
     vocab_size = model.embed.num_embeddings  # the lm_head's padding columns are no tokens
     for _ in range(max_new_tokens):
         logits = model.next_token_logits(new if use_cache else sequence, window_blocks, cache)
         token = choose(logits[:vocab_size], temperature, top_k, generator)
         yield token
         new = torch.tensor([token], device=device)
-        sequence = torch.cat([sequence, new])
+        if not use_cache:
+            sequence = torch.cat([sequence, new])
 
 
 def prompt_tokens(encoding, text: str) -> list[int]:
