@@ -254,10 +254,10 @@ def not_a_checkpoint(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda tmp_path, checkpoint: tmp_path / "missing.pt", "no such file"),
-    (corrupt, "cannot read the checkpoint"),
+    (lambda tmp_path, checkpoint: tmp_path / "missing.pt", "no such checkpoint"),
+    (corrupt, "not a readable checkpoint of train_gpt.py"),
     (other_shape, "the weights do not fit the model its hyperparameters describe ("),
-    (not_a_checkpoint, "not a train_gpt.py checkpoint"),
+    (not_a_checkpoint, "not a checkpoint of train_gpt.py"),
 ])
 def test_a_bad_checkpoint_is_one_line_naming_the_file(trained, tmp_path, capsys, make, message):
     path = make(tmp_path, trained[0])
@@ -271,5 +271,5 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file(trained, tmp_path, capsys,
 def test_the_tool_exits_non_zero_without_a_traceback(tmp_path):
     proc = run_tool(tmp_path / "missing.pt")
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.startswith(f"error: {tmp_path / 'missing.pt'}: no such file") and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {tmp_path / 'missing.pt'}: no such checkpoint") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         try:
             model, window = sample.load_model(args.checkpoint, device, args.tokens + 1, dtype)
-        except sample.CheckpointError as e:
+        except train_gpt.ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         source = args.checkpoint

@@ -30,42 +30,29 @@ from gpt2_tokenizer import ENDOFTEXT, TokenizerError, get_gpt2_encoding
 EOT = train_gpt.EOT_TOKEN
 
 
-class CheckpointError(Exception):
-    pass
-
-
 def load_model(path, device: torch.device, min_seq_len: int = 0,
                dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
     """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, its
     embeddings (hence activations) in dtype, by default the one it trained in; and the long window
-    (in blocks) it had at the checkpoint's step."""
+    (in blocks) it had at the checkpoint's step. A file that does not hold such a model raises a
+    one-line ConfigError naming it."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file; pass a checkpoint written by train_gpt.py --save_checkpoint "
-                              f"(checkpoints/<run_id>/step_NNNNNN.pt)")
-    try:  # mmap: the optimizer states in the file are never read
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch and pickle raise many kinds here; all mean an unreadable file
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{path}: cannot read the checkpoint ({reason}); it is truncated or not from "
-                              f"train_gpt.py, save it again") from None
-    if not isinstance(state, dict) or not {"model", "hyperparameters", "step"} <= state.keys():
-        raise CheckpointError(f"{path}: not a train_gpt.py checkpoint (it lacks model, hyperparameters or step)")
+    state = train_gpt.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
     max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
     try:
         model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len)
     except (ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: its hyperparameters describe no valid model ({e})") from None
+        raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in state["model"].items()}
     if found != expected:
         differences = [f"{name}: {found.get(name, 'missing')} in the file, {expected.get(name, 'none')} expected"
                        for name in sorted(expected.keys() | found.keys()) if found.get(name) != expected.get(name)]
-        raise CheckpointError(f"{path}: the weights do not fit the model its hyperparameters describe "
-                              f"({len(differences)} differ, first {differences[0]}); the file was altered or made "
-                              f"by another version of train_gpt.py")
+        raise train_gpt.ConfigError(f"{path}: the weights do not fit the model its hyperparameters describe "
+                                    f"({len(differences)} differ, first {differences[0]}); the file was altered "
+                                    f"or made by another version of train_gpt.py")
     for table in [model.embed, *model.value_embeds]:
         table.to(train_gpt.DTYPES[dtype or args.dtype])
     model.load_state_dict(state["model"])
@@ -132,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         model, window = load_model(args.checkpoint, device, positions, None if dtype == "checkpoint" else dtype)
         encoding = get_gpt2_encoding()
         prompt = prompt_tokens(encoding, args.prompt)
-    except (CheckpointError, TokenizerError) as e:
+    except (train_gpt.ConfigError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     generator = torch.Generator(device).manual_seed(args.seed)
