@@ -67,7 +67,22 @@ option() {
 # The final model is saved under a known run id, so that a sample of it can follow; options given
 # to ./run.sh come later and win.
 run_id=$(option run_id "cpu-$(date +%Y%m%d-%H%M%S)-$$" "$@")
-"$PY" train_gpt.py --save_checkpoint --run_id="$run_id" "$@"
+# Training runs as a job in its own process group, and this script passes it SIGTERM and SIGINT
+# (Ctrl-C): it gets each stop signal exactly once, whether sent to this script or to its group,
+# and finishes its step and saves, as when it runs alone.
+set -m
+"$PY" train_gpt.py --save_checkpoint --run_id="$run_id" "$@" &
+training=$!
+set +m
+trap 'kill -TERM "$training" 2>/dev/null || true' TERM
+trap 'kill -INT "$training" 2>/dev/null || true' INT
+while kill -0 "$training" 2>/dev/null; do
+  wait "$training" || true  # returns early when a signal arrives
+done
+trap - TERM INT
+status=0
+wait "$training" || status=$?
+[ "$status" -eq 0 ] || exit "$status"
 checkpoint=""
 for path in "$(option checkpoint_dir checkpoints "$@")/$run_id"/step_*.pt; do
   checkpoint=$path  # the last in name order: the highest step
