@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ./run.sh [train_gpt.py options]  main job: FineWeb + torchrun on CUDA GPUs, Shakespeare + cpu preset otherwise
+# ./run.sh [train_gpt.py options]  main job: FineWeb + torchrun on CUDA GPUs, Shakespeare + cpu preset
+#                                  otherwise, then a sample of the model it trained
 # ./run.sh test [pytest options]   the test suite
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -48,4 +49,46 @@ fi
 # glibc returns freed blocks to the OS and re-maps them every step, which made CPU training
 # steps 2.5x slower here; keeping freed memory costs peak RSS instead (the run logs it).
 export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736
-exec "$PY" train_gpt.py "$@"
+
+# option NAME DEFAULT ARGS...: the last value ARGS give --NAME (as --NAME=V or --NAME V), else DEFAULT
+option() {
+  local name=$1 value=$2
+  shift 2
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      "--$name="*) value=${1#"--$name="} ;;
+      "--$name") if [ $# -gt 1 ]; then value=$2; shift; fi ;;
+    esac
+    shift
+  done
+  printf '%s' "$value"
+}
+
+# The final model is saved under a known run id, so that a sample of it can follow; options given
+# to ./run.sh come later and win.
+run_id=$(option run_id "cpu-$(date +%Y%m%d-%H%M%S)-$$" "$@")
+# Training runs as a job in its own process group, and this script passes it SIGTERM and SIGINT
+# (Ctrl-C): it gets each stop signal exactly once, whether sent to this script or to its group,
+# and finishes its step and saves, as when it runs alone.
+set -m
+"$PY" train_gpt.py --save_checkpoint --run_id="$run_id" "$@" &
+training=$!
+set +m
+trap 'kill -TERM "$training" 2>/dev/null || true' TERM
+trap 'kill -INT "$training" 2>/dev/null || true' INT
+while kill -0 "$training" 2>/dev/null; do
+  wait "$training" || true  # returns early when a signal arrives
+done
+trap - TERM INT
+status=0
+wait "$training" || status=$?
+[ "$status" -eq 0 ] || exit "$status"
+checkpoint=""
+for path in "$(option checkpoint_dir checkpoints "$@")/$run_id"/step_*.pt; do
+  checkpoint=$path  # the last in name order: the highest step
+done
+[ -f "$checkpoint" ] || exit 0  # --help, or --save_checkpoint=false
+prompt="CLEOPATRA."  # Antony and Cleopatra is a validation work: never trained on
+echo "sample of $checkpoint (100 tokens, seed 0, prompt \"$prompt\"):"
+"$PY" tools/sample.py "$checkpoint" --prompt "$prompt" --max_new_tokens 100 --seed 0 --device cpu
+echo "more: $PY tools/sample.py $checkpoint --prompt \"$prompt\" --max_new_tokens 500 --num_samples 3"

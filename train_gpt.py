@@ -407,8 +407,9 @@ class Rotary(nn.Module):
         self.cos = nn.Buffer(theta.cos(), persistent=False)
         self.sin = nn.Buffer(theta.sin(), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, H, D)
-        cos, sin = self.cos[None, :x.size(-3), None, :], self.sin[None, :x.size(-3), None, :]
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:  # (B, T, H, D) at positions start, start + 1, ...
+        cos = self.cos[None, start:start + x.size(-3), None, :]
+        sin = self.sin[None, start:start + x.size(-3), None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
@@ -443,10 +444,11 @@ def window_block_counts(partial_num: Tensor, full_num: Tensor, window_blocks) ->
     return partial_kept, full_kept
 
 
-def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
+def attention_masks(tokens: Tensor, window_blocks, backend: str, queries: slice = slice(None)) -> tuple:
     """The long- and short-window masks of one sequence (short: half as many blocks, at least one):
     FlexAttention BlockMasks for backend "flex", dense boolean (T, T) masks with exactly the same
-    pairs for backend "sdpa"."""
+    pairs for backend "sdpa". For "sdpa", `queries` selects rows, and the keys then end at the last
+    selected query: a KV cache's new positions against every key up to them."""
     docs, partial_num, partial_idx, full_num, full_idx = document_causal_blocks(tokens)
     window_blocks = torch.as_tensor(window_blocks, dtype=torch.int32, device=tokens.device)
 
@@ -463,9 +465,10 @@ def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
         block_allowed = torch.zeros_like(partial_idx, dtype=torch.bool)
         block_allowed.scatter_(1, partial_idx.long(), slot < partial_kept[:, None])
         block_allowed |= torch.zeros_like(block_allowed).scatter_(1, full_idx.long(), slot < full_kept[:, None])
-        allowed = block_allowed.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
         pos = torch.arange(tokens.numel(), device=tokens.device)
-        return allowed & document_causal(None, None, pos[:, None], pos[None, :])
+        q_pos, kv_pos = pos[queries], pos[:queries.stop]
+        allowed = block_allowed[q_pos // BLOCK_SIZE][:, kv_pos // BLOCK_SIZE]
+        return allowed & document_causal(None, None, q_pos[:, None], kv_pos[None, :])
 
     return build(window_blocks), build(torch.clamp_min(window_blocks // 2, 1))
 
@@ -478,6 +481,48 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
         kernel = flex_attention if torch.compiler.is_compiling() else compiled_on_first_use(flex_attention)
         return kernel(q, k, v, block_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class LayerCache:
+    """One attention layer's rotated keys and mixed values (1, H, positions, D) for generation, in
+    buffers that double when full, so adding a token copies one position, not the whole history."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Adds k, v (1, H, T, D) after the cached positions; returns every position's keys and values."""
+        end = self.length + k.size(2)
+        if self.keys is None or end > self.keys.size(2):
+            capacity = max(end, 2 * self.length, BLOCK_SIZE)
+            grown = [t.new_empty(*t.shape[:2], capacity, t.size(3)) for t in (k, v)]
+            if self.keys is not None:
+                grown[0][:, :, :self.length] = self.keys[:, :, :self.length]
+                grown[1][:, :, :self.length] = self.values[:, :, :self.length]
+            self.keys, self.values = grown
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """What GPT.next_token_logits() needs to run only new positions: the tokens so far and each
+    layer's keys and values (the attention-free layer's stay empty). Batch size 1, like training."""
+
+    def __init__(self, num_layers: int):
+        self.tokens: Tensor | None = None
+        self.layers = [LayerCache() for _ in range(num_layers)]
+
+    def __len__(self) -> int:
+        return 0 if self.tokens is None else self.tokens.numel()
+
+    def rewind(self, length: int):
+        """Forgets every position from length on."""
+        self.tokens = self.tokens[:length]
+        for layer in self.layers:
+            layer.length = min(layer.length, length)
 
 
 ATTENTION_SCALE = 0.12  # the record's fixed softmax scale (QK-normed, so no 1/sqrt(d))
@@ -494,13 +539,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = CastedLinear(hidden, model_dim)
         self.c_proj.weight.detach().zero_()
 
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, cache: LayerCache | None = None) -> Tensor:
         B, T = x.size(0), x.size(1)
+        start = 0 if cache is None else cache.length  # position of x's first token
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k = self.rotary(norm(q)), self.rotary(norm(k))
+        q, k = self.rotary(norm(q), start), self.rotary(norm(k), start)
         v = lambdas[0] * v if ve is None else lambdas[0] * v + lambdas[1] * ve.view_as(v)
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, ATTENTION_SCALE)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        y = attend(q, k, v, mask, ATTENTION_SCALE)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -521,10 +570,11 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len) if has_attention else None
         self.mlp = MLP(model_dim)
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor,
+                cache: LayerCache | None = None) -> Tensor:
         x = lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, attn_lambdas, mask)
+            x = x + self.attn(norm(x), ve, attn_lambdas, mask, cache)
         return x + self.mlp(norm(x))
 
 
@@ -551,6 +601,18 @@ def long_window_layers(num_layers: int) -> list[bool]:
     return [min(i, num_layers - 1 - i) % 4 == 0 for i in range(num_layers)]
 
 
+# Validation computes the loss this many positions at a time, so that its largest tensors, the
+# float32 logits and their softcap, take 8192 x 50304 x 4 bytes = 1.6 GB each whatever val_seq_len is
+# (the record's 262,144-position sequence would need 53 GB each at once). A chunk is still a large
+# lm_head matmul (0.6 TFLOP at width 768), and compile unrolls 32 chunks for the record.
+EVAL_LOSS_CHUNK = 8192
+PAD_TOKEN = 0  # fills a partial last block for generation: any token but EOT_TOKEN, which would start a document
+
+
+def pad_to_blocks(tokens: Tensor) -> Tensor:
+    return F.pad(tokens, (0, next_multiple(tokens.numel(), BLOCK_SIZE) - tokens.numel()), value=PAD_TOKEN)
+
+
 class GPT(nn.Module):
     """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
     order in which gradients become ready in backward (the bucketing relies on it)."""
@@ -560,7 +622,7 @@ class GPT(nn.Module):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
-        self.num_layers = num_layers
+        self.num_layers, self.max_seq_len = num_layers, max_seq_len
         self.attention_backend = attention_backend
         self.ve_layout = value_embedding_layout(num_layers)
         self.long_window = long_window_layers(num_layers)
@@ -581,26 +643,70 @@ class GPT(nn.Module):
         self.lm_head.weight.detach().zero_()
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
-        """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean."""
+        """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean, computed
+        EVAL_LOSS_CHUNK positions at a time."""
+        x = self.trunk(input_seq, attention_masks(input_seq, window_blocks, self.attention_backend))
+        if self.training:
+            logits = self.softcapped_logits(x)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
+        total = torch.zeros((), device=x.device)
+        for start in range(0, target_seq.numel(), EVAL_LOSS_CHUNK):
+            logits = self.softcapped_logits(x[0, start:start + EVAL_LOSS_CHUNK])
+            total = total + F.cross_entropy(logits, target_seq[start:start + EVAL_LOSS_CHUNK], reduction="sum")
+        return total / target_seq.numel()
+
+    def trunk(self, tokens: Tensor, masks: tuple, cache: KVCache | None = None) -> Tensor:
+        """Embeddings and blocks with x0 mixing, value embeddings and U-net skips: the final residual
+        stream (1, T, D) of tokens (T,), attending under masks (long, short) from attention_masks()."""
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
         attn_lambdas = self.scalars[L // 2 + 2 * L:].view(L, 2)
-        long_mask, short_mask = attention_masks(input_seq, window_blocks, self.attention_backend)
-        ve = [table(input_seq)[None] for table in self.value_embeds]
-        x = x0 = norm(self.embed(input_seq)[None])
+        long_mask, short_mask = masks
+        ve = [table(tokens)[None] for table in self.value_embeds]
+        x = x0 = norm(self.embed(tokens)[None])
         skips = []
         for i, block in enumerate(self.blocks):
             if i >= L // 2:
                 x = x + skip_weights[i - L // 2] * skips.pop()
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
-            x = block(x, x0, layer_ve, long_mask if self.long_window[i] else short_mask, lambdas[i], attn_lambdas[i])
+            x = block(x, x0, layer_ve, long_mask if self.long_window[i] else short_mask, lambdas[i], attn_lambdas[i],
+                      None if cache is None else cache.layers[i])
             if i < L // 2:
                 skips.append(x)
+        return x
+
+    def softcapped_logits(self, x: Tensor) -> Tensor:
+        """float32 logits over the padded vocabulary from the final residual stream."""
         logits = self.lm_head(norm(x)).float()
-        logits = LOGIT_SOFTCAP * torch.sigmoid(logits / (LOGIT_SOFTCAP_SPREAD * x.size(-1) ** 0.5))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq,
-                               reduction="sum" if self.training else "mean")
+        return LOGIT_SOFTCAP * torch.sigmoid(logits / (LOGIT_SOFTCAP_SPREAD * x.size(-1) ** 0.5))
+
+    def next_token_logits(self, tokens: Tensor, window_blocks, cache: KVCache | None = None) -> Tensor:
+        """The logits (padded vocab,) of the token that follows tokens (T,), for generation.
+
+        Without a cache, tokens is the whole sequence and this is the training forward (same trunk,
+        same masks) on the sequence padded to whole blocks with PAD_TOKEN. With a cache, tokens
+        continue the cached ones and only their positions run: each query sees the keys that the
+        whole sequence's masks allow it, and their keys and values join the cache."""
+        n, start = tokens.numel(), 0 if cache is None else len(cache)
+        if start + n > self.max_seq_len:
+            raise ValueError(f"{start + n} positions exceed the model's max_seq_len={self.max_seq_len}")
+        if cache is None:
+            padded = pad_to_blocks(tokens)
+            x = self.trunk(padded, attention_masks(padded, window_blocks, self.attention_backend))
+            return self.softcapped_logits(x[0, n - 1])
+        held = start % BLOCK_SIZE  # cached positions of a block that tokens go on filling
+        if held and bool((tokens[:BLOCK_SIZE - held] == EOT_TOKEN).any()):
+            # A document starting in that block changes which blocks its earlier positions attend
+            # (blocks are the masks' unit), so those positions run again.
+            start -= held
+            tokens = torch.cat([cache.tokens[start:], tokens])
+            cache.rewind(start)
+        seen = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens])
+        masks = attention_masks(pad_to_blocks(seen), window_blocks, "sdpa", slice(start, seen.numel()))
+        x = self.trunk(tokens, masks, cache)
+        cache.tokens = seen
+        return self.softcapped_logits(x[0, -1])
 
 
 class GradientBuckets:

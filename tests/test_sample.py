@@ -1,0 +1,275 @@
+"""Generation (tools/sample.py and GPT.next_token_logits): the KV cache against the full forward,
+sampling, the chunked validation loss, and the tool's handling of bad checkpoints."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT
+
+import shards
+import train_gpt
+
+sys.path.insert(0, str(ROOT / "tools"))
+import sample  # noqa: E402
+
+EOT = 50256
+SAMPLE_TOOL = ROOT / "tools" / "sample.py"
+CYCLE = 64  # the training data walks a cycle through tokens 0..63
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: on 2 busy cores, two threads mostly wait on each other at every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cycle_shards(folder):
+    """Documents that follow one fixed cycle through 64 tokens (10% of tokens random, 1% document
+    starts): a few steps teach it, and greedy generation then walks the cycle, each token depending
+    on the context."""
+    rng = np.random.default_rng(0)
+    order = rng.permutation(CYCLE)
+    successor = np.empty(CYCLE, dtype=np.int64)
+    successor[order] = np.roll(order, -1)
+    for name, n in (("train", 10_000), ("val", 1_000)):
+        tokens = np.empty(n, dtype=np.int64)
+        tokens[0] = EOT
+        for i in range(1, n):
+            if rng.random() < 0.01:
+                tokens[i] = EOT
+            elif tokens[i - 1] == EOT or rng.random() < 0.1:
+                tokens[i] = rng.integers(CYCLE)
+            else:
+                tokens[i] = successor[tokens[i - 1]]
+        shards.write_shard(folder / f"cycle_{name}_000000.bin", tokens)
+    return successor
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained 6 steps with
+    windows of 2 blocks (long) and 1 (short) at the end; returns (checkpoint path, successor table)."""
+    folder = tmp_path_factory.mktemp("cycle")
+    successor = cycle_shards(folder)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result = train_gpt.main([
+        "--preset=cpu", "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+        "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--num_iterations=6",
+        "--window_tokens=256", "--save_checkpoint", f"--train_files={folder}/cycle_train_*.bin",
+        f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
+        "--run_id=cycle"])
+    torch.set_num_threads(threads)
+    assert result["val_losses"][6] < 2.5  # learned the cycle (uniform over 64 tokens would be 4.16)
+    return result["checkpoints"][-1], successor
+
+
+def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
+    """At every step, the cached path (one new position) and the training forward over the whole prefix
+    give the same logits and the same greedy token. The prefix holds a document boundary, crosses
+    three 128-blocks and outgrows both windows (long 2 blocks, short 1)."""
+    checkpoint, successor = trained
+    model, window = sample.load_model(checkpoint, torch.device("cpu"), 512)
+    assert window == 2
+    start = 5
+    walk = [start]
+    while len(walk) < 200:
+        walk.append(int(successor[walk[-1]]))
+    prompt = [EOT, *walk[:90], EOT, *walk[90:]]  # a second document from position 91
+    cache, new, sequence = train_gpt.KVCache(model.num_layers), torch.tensor(prompt), list(prompt)
+    with torch.no_grad():
+        for _ in range(80):
+            cached = model.next_token_logits(new, window, cache)
+            full = model.next_token_logits(torch.tensor(sequence), window)
+            torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)  # measured 2e-6 apart
+            top2 = full.topk(2).values
+            assert top2[0] - top2[1] > 1e-2  # no near-tie that float32 rounding could flip
+            sequence.append(int(full.argmax()))
+            new = torch.tensor(sequence[-1:])
+        assert len(sequence) > 2 * train_gpt.BLOCK_SIZE
+        # the windows cut the prefix: another window would have given other logits
+        prefix = torch.tensor(sequence)
+        for other in (1, 4):
+            assert (model.next_token_logits(prefix, other) - full).abs().max() > 1e-2
+    generated = sequence[len(prompt):]
+    assert len(set(generated)) > 10  # the model walks the cycle, not one token
+    assert list(sample.generate(model, prompt, 80, window, temperature=0)) == generated
+    assert list(sample.generate(model, prompt, 5, window, temperature=0, use_cache=False)) == generated[:5]
+
+
+@pytest.fixture(scope="module")
+def randomized_gpt():
+    """An untrained 4-layer model whose zero-initialized weights and initial scalars are replaced by
+    random ones, so every path, attention included, moves the logits."""
+    torch.manual_seed(0)
+    model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.uniform_(-0.2, 0.2)
+        model.lm_head.weight.uniform_(-8, 8)
+        model.scalars.add_(0.3 * torch.randn_like(model.scalars))
+    return model.eval()
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(randomized_gpt, window):
+    """Pieces of 1, 127, 12, 100 and 160 tokens; documents start mid-block, twice inside a block that
+    the cache already holds part of (whose earlier positions must then run again). After every piece
+    the next-token logits equal those of the forward over everything fed so far."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, EOT, (400,), generator=g)
+    tokens[[0, 100, 230, 300]] = EOT
+    model = randomized_gpt
+    cache, fed = train_gpt.KVCache(model.num_layers), 0
+    with torch.no_grad():
+        for piece in (1, 127, 12, 100, 160):
+            cached = model.next_token_logits(tokens[fed:fed + piece], window, cache)
+            fed += piece
+            assert len(cache) == fed
+            full = model.next_token_logits(tokens[:fed], window)
+            torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
+
+
+def test_same_seed_same_sample_and_top_k_1_is_greedy(randomized_gpt):
+    model = randomized_gpt
+    prompt = [EOT, 11, 22, 33]
+
+    def draw(seed, **kwargs):
+        return list(sample.generate(model, prompt, 30, 2, generator=torch.Generator().manual_seed(seed), **kwargs))
+
+    first = draw(0, temperature=1.0)
+    assert draw(0, temperature=1.0) == first
+    assert draw(1, temperature=1.0) != first
+    greedy = list(sample.generate(model, prompt, 30, 2, temperature=0))
+    assert draw(0, temperature=1.0, top_k=1) == greedy
+    assert draw(5, temperature=2.0, top_k=1) == greedy
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (2.0, 0), (0.5, 0), (1.0, 2)])
+def test_draws_follow_the_tempered_top_k_softmax(temperature, top_k):
+    """Frequencies of 3,000 draws against softmax(logits / temperature) over the top_k logits."""
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.0, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    counts = np.bincount([sample.choose(logits, temperature, top_k, generator) for _ in range(3000)], minlength=5)
+    keep = logits >= logits.topk(top_k).values[-1] if top_k else torch.ones(5, dtype=torch.bool)
+    expected = torch.where(keep, (logits / temperature).exp(), 0.0)
+    expected = (expected / expected.sum()).numpy()
+    assert np.abs(counts / counts.sum() - expected).max() < 0.03  # a standard error is 0.009 at most
+    assert (counts[~keep.numpy()] == 0).all()
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9, -4.0])
+    assert sample.choose(logits, 0, 0, None) == 1
+    assert sample.choose(logits, 0, 3, None) == 1
+
+
+@pytest.fixture(scope="module")
+def validation_case(randomized_gpt):
+    """A 512-token validation sequence with documents, and its loss as one cross-entropy over all
+    logits, written out from the model's definition (float32)."""
+    g = torch.Generator().manual_seed(2)
+    sequence = torch.randint(0, EOT, (513,), generator=g)
+    sequence[[0, 140, 300]] = EOT
+    inputs, targets = sequence[:-1], sequence[1:]
+    with torch.no_grad():
+        x = randomized_gpt.trunk(inputs, train_gpt.attention_masks(inputs, 2, "sdpa"))
+        logits = randomized_gpt.lm_head(train_gpt.norm(x[0])).float()
+        logits = train_gpt.LOGIT_SOFTCAP * torch.sigmoid(logits / (train_gpt.LOGIT_SOFTCAP_SPREAD * math.sqrt(32)))
+        return inputs, targets, F.cross_entropy(logits, targets).item()
+
+
+@pytest.mark.parametrize("chunk", [512, 128, 200, 100, 37])  # 1 to 14 chunks; 200, 100 and 37 end part-full
+def test_chunked_validation_loss_equals_the_unchunked_one(randomized_gpt, validation_case, monkeypatch, chunk):
+    """Eval computes the loss EVAL_LOSS_CHUNK positions at a time: the same mean as one cross-entropy
+    over all logits, with no logits tensor larger than a chunk."""
+    inputs, targets, unchunked = validation_case
+    monkeypatch.setattr(train_gpt, "EVAL_LOSS_CHUNK", chunk)
+    rows = []
+    hook = randomized_gpt.lm_head.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    with torch.no_grad():
+        chunked = randomized_gpt(inputs, targets, 2).item()
+    hook.remove()
+    assert chunked == pytest.approx(unchunked, rel=1e-6, abs=0)
+    assert rows == [chunk] * (512 // chunk) + ([512 % chunk] if 512 % chunk else [])
+
+
+def test_prompt_starts_a_document(gpt2_encoding):
+    assert sample.prompt_tokens(gpt2_encoding, "") == [EOT]
+    assert sample.prompt_tokens(gpt2_encoding, "ROMEO:") == [EOT, *gpt2_encoding.encode("ROMEO:")]
+    assert sample.prompt_tokens(gpt2_encoding, "a<|endoftext|>b") == [EOT, 64, EOT, 65]
+    assert sample.prompt_tokens(gpt2_encoding, "<|endoftext|>b") == [EOT, 65]
+
+
+def run_tool(*args, env=None):
+    return subprocess.run([sys.executable, str(SAMPLE_TOOL), *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, **(env or {})), cwd=ROOT)
+
+
+def test_the_tool_streams_the_prompt_and_what_generate_draws(trained, gpt2_ranks_file, gpt2_encoding):
+    checkpoint, _ = trained
+    proc = run_tool(checkpoint, "--prompt", "To be", "--max_new_tokens", 12, "--seed", 3, "--temperature", 1.0,
+                    "--top_k", 5, "--device", "cpu", env={"GPT2_TIKTOKEN_FILE": str(gpt2_ranks_file)})
+    assert proc.returncode == 0, proc.stderr
+    model, window = sample.load_model(checkpoint, torch.device("cpu"), 64)
+    prompt = sample.prompt_tokens(gpt2_encoding, "To be")
+    tokens = []
+    for token in sample.generate(model, prompt, 12, window, 1.0, 5, torch.Generator().manual_seed(3)):
+        if token == EOT:
+            break
+        tokens.append(token)
+    assert proc.stdout == gpt2_encoding.decode(prompt[1:] + tokens) + "\n"
+    assert f"({len(tokens)} tokens in" in proc.stderr
+
+
+def corrupt(tmp_path, checkpoint):
+    path = tmp_path / "corrupt.pt"
+    path.write_bytes(checkpoint.read_bytes()[:5000])
+    return path
+
+
+def other_shape(tmp_path, checkpoint):
+    """The weights of the checkpoint under hyperparameters of a wider model."""
+    state = torch.load(checkpoint, weights_only=True)
+    state["hyperparameters"]["model_dim"] = 128
+    path = tmp_path / "other_shape.pt"
+    torch.save(state, path)
+    return path
+
+
+def not_a_checkpoint(tmp_path, checkpoint):
+    path = tmp_path / "weights.pt"
+    torch.save({"embed.weight": torch.zeros(3)}, path)
+    return path
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp_path, checkpoint: tmp_path / "missing.pt", "no such checkpoint"),
+    (corrupt, "not a readable checkpoint of train_gpt.py"),
+    (other_shape, "the weights do not fit the model its hyperparameters describe ("),
+    (not_a_checkpoint, "not a checkpoint of train_gpt.py"),
+])
+def test_a_bad_checkpoint_is_one_line_naming_the_file(trained, tmp_path, capsys, make, message):
+    path = make(tmp_path, trained[0])
+    assert sample.main([str(path), "--max_new_tokens=5", "--device=cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: {path}: ") and message in err
+
+
+def test_the_tool_exits_non_zero_without_a_traceback(tmp_path):
+    proc = run_tool(tmp_path / "missing.pt")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {tmp_path / 'missing.pt'}: no such checkpoint") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

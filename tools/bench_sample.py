@@ -1,0 +1,102 @@
+"""Time per generated token with the KV cache against re-running the whole prefix for every token.
+
+    python tools/bench_sample.py                         # the cpu preset's model (random weights)
+    python tools/bench_sample.py CHECKPOINT --tokens 500
+
+Each way generates the same number of tokens greedily from <|endoftext|> (continuing past any
+<|endoftext|> it produces). Re-running the prefix is timed twice: with the lm_head on the last
+position only (generate(use_cache=False), the cheapest way without a cache) and as the training
+forward computes it, with logits at every position.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+import sample
+import train_gpt
+
+
+def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int]:
+    """A model of the preset's shape at its end-of-training window, with random weights everywhere
+    (the zero-initialized output layers too, so the greedy tokens vary)."""
+    args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
+                          max(args.seq_len, args.val_seq_len))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight") or name == "lm_head.weight":
+                p.normal_(0, 0.5 * p.size(1) ** -0.5)
+    for table in [model.embed, *model.value_embeds]:
+        table.to(train_gpt.DTYPES[dtype or args.dtype])
+    return model.to(device).eval(), train_gpt.window_blocks(args.num_iterations, args)
+
+
+@torch.no_grad()
+def every_position_generation(model: train_gpt.GPT, window: int, tokens: int):
+    """Greedy generation through the training forward's computation: logits at every position."""
+    sequence = torch.tensor([train_gpt.EOT_TOKEN], device=model.embed.weight.device)
+    for _ in range(tokens):
+        padded = train_gpt.pad_to_blocks(sequence)
+        x = model.trunk(padded, train_gpt.attention_masks(padded, window, model.attention_backend))
+        logits = model.softcapped_logits(x[0])[sequence.numel() - 1, :model.embed.num_embeddings]
+        token = int(logits.argmax())
+        yield token
+        sequence = torch.cat([sequence, sequence.new_tensor([token])])
+
+
+def timed(generation, tokens: int) -> tuple[float, list[int]]:
+    """Seconds per token, and the tokens."""
+    t0 = time.perf_counter()
+    generated = list(generation)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / tokens, generated
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", nargs="?", help="a train_gpt.py checkpoint (default: the cpu preset's shape)")
+    parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=list(train_gpt.DTYPES), help="activations; default as tools/sample.py: "
+                        "the model's own on CUDA, float32 on CPU")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = args.dtype or (None if device.type == "cuda" else "float32")
+    if args.checkpoint:
+        try:
+            model, window = sample.load_model(args.checkpoint, device, args.tokens + 1, dtype)
+        except train_gpt.ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        source = args.checkpoint
+    else:
+        model, window = preset_model("cpu", device, dtype)
+        source = "the cpu preset's model, random weights"
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    print(f"{source}: {sum(p.numel() for p in model.parameters()):,} parameters, {model.embed.weight.dtype} "
+          f"embeddings, long window {window} blocks, on {device}{threads}; {args.tokens} tokens from <|endoftext|>")
+    prompt = [train_gpt.EOT_TOKEN]
+    timed(sample.generate(model, prompt, 8, window, temperature=0), 8)  # warm-up: first-call allocations
+    cached, cached_tokens = timed(sample.generate(model, prompt, args.tokens, window, temperature=0), args.tokens)
+    print(f"  {'KV cache, one position per token:':44s} {1000 * cached:8.2f} ms per token", flush=True)
+    ways = [("whole prefix, lm_head on the last position", sample.generate(model, prompt, args.tokens, window,
+                                                                           temperature=0, use_cache=False)),
+            ("whole prefix, logits at every position", every_position_generation(model, window, args.tokens))]
+    for name, generation in ways:
+        seconds, tokens = timed(generation, args.tokens)
+        same = next((i for i, (a, b) in enumerate(zip(cached_tokens, tokens)) if a != b), args.tokens)
+        print(f"  {name + ':':44s} {1000 * seconds:8.2f} ms per token: the cache is {seconds / cached:.1f}x faster "
+              f"(same first {same} tokens)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

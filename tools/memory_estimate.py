@@ -1,0 +1,75 @@
+"""Estimate the training memory of a preset's model per GPU from what it saves for backward on CPU.
+
+    python tools/memory_estimate.py                          # the record model, seq_len 48K .. 6K
+    python tools/memory_estimate.py --seq_lens 49152 12288
+
+Runs the forward in eager mode on CPU with bf16 activations at two sequence lengths and counts the
+bytes autograd saves (parameters excluded); the difference gives the bytes per token, the rest the
+weight copies cast to bf16. Add parameters, gradients and optimizer states, and the float32 gradient
+of the logits that backward makes. An estimate: on GPU, torch.compile recomputes cheap operations
+instead of saving them, and the allocator's caching and fragmentation come on top.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+import train_gpt
+
+GIB = 2**30
+
+
+def saved_bytes(model: train_gpt.GPT, T: int) -> tuple[int, int]:
+    """Bytes saved for backward by (the trunk, the logits and loss) for one sequence of T tokens."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in parameters:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, train_gpt.EOT_TOKEN, (T + 1,))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = model.trunk(tokens[:-1], train_gpt.attention_masks(tokens[:-1], 1, "sdpa"))
+        trunk = sum(storages.values())
+        logits = model.softcapped_logits(x)
+        F.cross_entropy(logits.view(-1, logits.size(-1)), tokens[1:], reduction="sum")
+    return trunk, sum(storages.values()) - trunk
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="record", choices=list(train_gpt.PRESETS))
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=[49152, 24576, 12288, 6144])
+    args = parser.parse_args(argv)
+    hp = train_gpt.Hyperparameters(**train_gpt.PRESETS[args.preset])
+    torch.manual_seed(0)
+    model = train_gpt.GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, 384)
+    for table in [model.embed, *model.value_embeds]:
+        table.to(torch.bfloat16)
+    short, long = (saved_bytes(model, T) for T in (128, 384))
+    per_token = [(b - a) / (384 - 128) for a, b in zip(short, long)]
+    casts = sum(short) - 128 * sum(per_token)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    adam_params = [model.lm_head.weight, model.embed.weight, *(t.weight for t in model.value_embeds), model.scalars]
+    muon_bytes = sum(4 * p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
+    fixed = 2 * weights + 2 * sum(p.numel() * p.element_size() for p in adam_params) + muon_bytes + casts
+    logit_grad = 4 * model.lm_head.weight.size(0)  # float32 gradient of one position's logits
+    print(f"{args.preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters: saved for backward "
+          f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
+          f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "
+          f"optimizer states and bf16 weight copies")
+    for seq_len in args.seq_lens:
+        total = fixed + seq_len * (sum(per_token) + logit_grad)
+        print(f"  seq_len {seq_len:6d}: about {total / GIB:5.1f} GiB per GPU in eager mode")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

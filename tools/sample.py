@@ -1,0 +1,146 @@
+"""Generate text from a checkpoint written by train_gpt.py, streaming it as it comes.
+
+    python tools/sample.py checkpoints/<run_id>/step_000100.pt --prompt "ROMEO:" --max_new_tokens 200
+    python tools/sample.py CHECKPOINT --num_samples 3 --temperature 0.8 --top_k 50 --seed 1
+
+The checkpoint alone describes the model (its hyperparameters are stored in it); the prompt starts a
+new document, as every training document does, so <|endoftext|> goes before it. Generation stops
+at <|endoftext|> or after --max_new_tokens. A KV cache makes each new token one position's forward.
+"""
+
+import time
+
+STARTED = time.perf_counter()  # the whole run is reported, imports and loading included
+
+import argparse
+import codecs
+import dataclasses
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "data"))
+
+import torch
+
+import train_gpt
+from gpt2_tokenizer import ENDOFTEXT, TokenizerError, get_gpt2_encoding
+
+EOT = train_gpt.EOT_TOKEN
+
+
+def load_model(path, device: torch.device, min_seq_len: int = 0,
+               dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
+    """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, its
+    embeddings (hence activations) in dtype, by default the one it trained in; and the long window
+    (in blocks) it had at the checkpoint's step. A file that does not hold such a model raises a
+    one-line ConfigError naming it."""
+    path = Path(path)
+    state = train_gpt.read_checkpoint(path)
+    known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
+    args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
+    max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
+    try:
+        model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len)
+    except (ValueError, RuntimeError) as e:
+        raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in state["model"].items()}
+    if found != expected:
+        differences = [f"{name}: {found.get(name, 'missing')} in the file, {expected.get(name, 'none')} expected"
+                       for name in sorted(expected.keys() | found.keys()) if found.get(name) != expected.get(name)]
+        raise train_gpt.ConfigError(f"{path}: the weights do not fit the model its hyperparameters describe "
+                                    f"({len(differences)} differ, first {differences[0]}); the file was altered "
+                                    f"or made by another version of train_gpt.py")
+    for table in [model.embed, *model.value_embeds]:
+        table.to(train_gpt.DTYPES[dtype or args.dtype])
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), train_gpt.window_blocks(state["step"], args)
+
+
+def choose(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """Greedy at temperature 0; otherwise a draw from softmax(logits / temperature) over the top_k
+    logits (all of them when top_k is 0)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    values, indices = logits.topk(min(top_k, logits.numel())) if top_k else (logits, None)
+    pick = torch.multinomial(torch.softmax(values / temperature, dim=-1), 1, generator=generator)
+    return int(pick if indices is None else indices[pick])
+
+
+@torch.no_grad()
+def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
+             top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True):
+    """Yields up to max_new_tokens tokens that follow prompt, <|endoftext|> included (the caller
+    decides whether a new document may follow). use_cache=False re-runs the whole prefix each step."""
+    device = model.embed.weight.device
+    new = sequence = torch.tensor(prompt, dtype=torch.long, device=device)
+    cache = train_gpt.KVCache(model.num_layers) if use_cache else None
+    vocab_size = model.embed.num_embeddings  # the lm_head's padding columns are no tokens
+    for _ in range(max_new_tokens):
+        logits = model.next_token_logits(new if use_cache else sequence, window_blocks, cache)
+        token = choose(logits[:vocab_size], temperature, top_k, generator)
+        yield token
+        new = torch.tensor([token], device=device)
+        if not use_cache:
+            sequence = torch.cat([sequence, new])
+
+
+def prompt_tokens(encoding, text: str) -> list[int]:
+    tokens = encoding.encode(text, allowed_special={ENDOFTEXT})
+    return tokens if tokens[:1] == [EOT] else [EOT, *tokens]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a .pt file written by train_gpt.py")
+    parser.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    parser.add_argument("--max_new_tokens", type=int, default=500)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens; 0: all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=[*train_gpt.DTYPES, "checkpoint"], default=None,
+                        help="activations: default the checkpoint's on CUDA, float32 on CPU, where bfloat16 "
+                             "matmuls are slow without native support (8x on AVX2)")
+    args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "top_k", "num_samples"):
+        if getattr(args, name) < (1 if name == "num_samples" else 0):
+            parser.error(f"--{name} must be at least {1 if name == 'num_samples' else 0}")
+    if args.temperature < 0:
+        parser.error("--temperature must be at least 0")
+    device = torch.device(args.device)
+    # Every token is at least one byte of the prompt, so this bounds the positions before encoding it.
+    positions = 1 + len(args.prompt.encode()) + args.max_new_tokens
+    try:
+        dtype = args.dtype or ("checkpoint" if device.type == "cuda" else "float32")
+        model, window = load_model(args.checkpoint, device, positions, None if dtype == "checkpoint" else dtype)
+        encoding = get_gpt2_encoding()
+        prompt = prompt_tokens(encoding, args.prompt)
+    except (train_gpt.ConfigError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    generator = torch.Generator(device).manual_seed(args.seed)
+    generated, t0 = 0, time.perf_counter()
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"{'-' * 20} sample {i + 1}/{args.num_samples}", flush=True)
+        # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        print(text.decode(encoding.decode_bytes(prompt[1:])), end="", flush=True)
+        for token in generate(model, prompt, args.max_new_tokens, window, args.temperature, args.top_k, generator):
+            if token == EOT:
+                break
+            print(text.decode(encoding.decode_single_token_bytes(token)), end="", flush=True)
+            generated += 1
+        print(text.decode(b"", final=True), flush=True)
+    now = time.perf_counter()
+    print(f"({generated} tokens in {now - t0:.1f} s, {1000 * (now - t0) / max(generated, 1):.1f} ms per token on "
+          f"{device}; {now - STARTED:.1f} s in all, with loading)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
