@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT
+from test_model import randomize_
 
 import shards
 import train_gpt
@@ -112,13 +113,7 @@ def randomized_gpt():
     random ones, so every path, attention included, moves the logits."""
     torch.manual_seed(0)
     model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("c_proj.weight"):
-                p.uniform_(-0.2, 0.2)
-        model.lm_head.weight.uniform_(-8, 8)
-        model.scalars.add_(0.3 * torch.randn_like(model.scalars))
-    return model.eval()
+    return randomize_(model, seed=0).eval()
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])
