@@ -948,7 +948,7 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
     orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
     # systems
-    dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, or float32 to compare runs
+    dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (the faster here)
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
@@ -983,13 +983,14 @@ PRESETS = {
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
         muon_momentum_warmup_steps=30,
         orthogonalizer="polar_express",  # what the track_cpu records were made with
+        dtype="auto",  # bf16 where the CPU multiplies it natively; CPUs that emulate it (AVX2) are ~100x slower in bf16
         exact_grad_sum=True,  # 1, 2, 4 or 8 processes get the same gradient bits (160 MB of float64 buffers)
         compile=False,
         warmup_steps=0,
     ),
 }
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # the values of Hyperparameters.dtype
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # the values of Hyperparameters.dtype, besides auto
 
 # Settings that may differ between a checkpoint and the run resuming it.
 RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
@@ -1058,8 +1059,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"orthogonalizer={args.orthogonalizer!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
     if args.fp8_grad_scale not in FP8_GRAD_SCALES:
         raise ConfigError(f"fp8_grad_scale={args.fp8_grad_scale!r}; choose one of {', '.join(FP8_GRAD_SCALES)}")
-    if args.dtype not in DTYPES:
-        raise ConfigError(f"dtype={args.dtype!r}; choose {' or '.join(DTYPES)}")
+    if args.dtype not in (*DTYPES, "auto"):
+        raise ConfigError(f"dtype={args.dtype!r}; choose {', '.join(DTYPES)} or auto")
     if not 0 <= args.cooldown_frac <= 1:
         raise ConfigError(f"cooldown_frac={args.cooldown_frac} must be within [0, 1]")
     if args.num_iterations < 1:
@@ -1134,18 +1135,42 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         if known:
             return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
     size = PEAK_MEASURE_SIZE["cuda" if device.type == "cuda" else "cpu"]
+    flops, repeats, elapsed = matmul_speed(device, dtype, size, PEAK_MEASURE_SECONDS)
+    return flops, f"{flops / 1e9:.1f} GFLOP/s {str(dtype).removeprefix('torch.')} measured ({repeats} {size}x{size} matmuls in {elapsed:.2f}s)"
+
+
+def matmul_speed(device: torch.device, dtype: torch.dtype, size: int, seconds: float) -> tuple[float, int, float]:
+    """FLOP/s of square size x size matmuls in dtype, repeated for about `seconds`; with the repeats and time."""
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a @ b
     sync()
     repeats, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < PEAK_MEASURE_SECONDS:
+    while time.perf_counter() - t0 < seconds:
         a @ b
         sync()
         repeats += 1
     elapsed = time.perf_counter() - t0
-    flops = 2 * size**3 * repeats / elapsed
-    return flops, f"{flops / 1e9:.1f} GFLOP/s {str(dtype).removeprefix('torch.')} measured ({repeats} {size}x{size} matmuls in {elapsed:.2f}s)"
+    return 2 * size**3 * repeats / elapsed, repeats, elapsed
+
+
+DTYPE_PROBE = (512, 0.2)  # matmul size and seconds per dtype for dtype=auto: a native/emulated gap is 10x or more
+
+
+def resolve_dtype(args: Hyperparameters, device: torch.device, world_size: int) -> tuple[Hyperparameters, str]:
+    """dtype=auto made concrete (so logs and checkpoints name what ran), and the log line saying why.
+    bf16 on CUDA; on a CPU, whichever of bf16 and float32 multiplies faster here, rank 0's choice for all."""
+    if args.dtype != "auto":
+        return args, f"dtype: {args.dtype}"
+    if device.type == "cuda":
+        return dataclasses.replace(args, dtype="bfloat16"), "dtype: bfloat16 (auto: CUDA)"
+    speeds = {name: matmul_speed(device, dtype, *DTYPE_PROBE)[0] for name, dtype in DTYPES.items()}
+    choice = torch.tensor([list(DTYPES).index(max(speeds, key=speeds.get))])
+    if world_size > 1:  # a near tie could split the ranks; they must run one dtype
+        dist.broadcast(choice, 0)
+    name = list(DTYPES)[int(choice)]
+    measured = ", ".join(f"{n} {flops / 1e9:.1f}" for n, flops in speeds.items())
+    return dataclasses.replace(args, dtype=name), f"dtype: {name} (auto: {measured} GFLOP/s matmuls here)"
 
 
 def flops_per_token(model: GPT, args: Hyperparameters) -> float:
@@ -1310,7 +1335,7 @@ class FastPaths:
     lines: list[str]  # what the log says of each
 
 
-def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: str) -> FastPaths:
+def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: str, dtype_line: str = "") -> FastPaths:
     cuda = device.type == "cuda"
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
@@ -1326,7 +1351,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
         f"attention: {attention}",
         f"compile: {'on' if args.compile else 'off (compile=false)'}",
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
-        f"dtype: {args.dtype}",
+        dtype_line or f"dtype: {args.dtype}",
         f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
         f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
     ]
@@ -1592,6 +1617,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world_size, device = setup_distributed()
     args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
     check_hyperparameters(args, world_size)
+    args, dtype_line = resolve_dtype(args, device, world_size)
     # Data problems surface before anything is written.
     stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size)
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
@@ -1609,7 +1635,7 @@ def main(argv: list[str] | None = None) -> dict:
     log = RunLog(log_path if rank == 0 else None)
     stop = StopSignals(world_size)
     try:
-        paths = choose_fast_paths(args, device, allocator)
+        paths = choose_fast_paths(args, device, allocator, dtype_line)
         log_header(log, source, args, preset, device, world_size, paths)
         peak = matmul_peak(device, DTYPES[args.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)

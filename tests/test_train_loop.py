@@ -292,3 +292,33 @@ def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
     # both figures are rounded to one decimal in the log
     assert mfu == pytest.approx(100 * achieved / peak_gflops, abs=100 * 0.05 / peak_gflops + 0.05)
     assert 0 < mfu < 100
+
+
+@pytest.mark.parametrize("speeds, expected", [({torch.bfloat16: 300e9, torch.float32: 100e9}, "bfloat16"),
+                                              ({torch.bfloat16: 1e9, torch.float32: 60e9}, "float32")])
+def test_dtype_auto_takes_the_faster_matmul_on_cpu(monkeypatch, speeds, expected):
+    """A CPU with native bf16 (AMX, AVX512-BF16) trains in bf16; one that emulates it, in float32.
+    The measured speeds are replaced here; the probe itself is the one MFU uses, tested above."""
+    monkeypatch.setattr(train_gpt, "matmul_speed", lambda device, dtype, size, seconds: (speeds[dtype], 1, seconds))
+    args, line = train_gpt.resolve_dtype(train_gpt.Hyperparameters(dtype="auto"), torch.device("cpu"), 1)
+    assert args.dtype == expected
+    assert line == (f"dtype: {expected} (auto: bfloat16 {speeds[torch.bfloat16] / 1e9:.1f}, "
+                    f"float32 {speeds[torch.float32] / 1e9:.1f} GFLOP/s matmuls here)")
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_explicit_dtypes_stay():
+    args, line = train_gpt.resolve_dtype(train_gpt.Hyperparameters(dtype="auto"), torch.device("cuda"), 1)
+    assert (args.dtype, line) == ("bfloat16", "dtype: bfloat16 (auto: CUDA)")
+    for dtype in train_gpt.DTYPES:
+        args = train_gpt.Hyperparameters(dtype=dtype)
+        assert train_gpt.resolve_dtype(args, torch.device("cpu"), 1) == (args, f"dtype: {dtype}")
+
+
+def test_cpu_preset_logs_the_dtype_it_resolved(tiny_shards, tmp_path):
+    """With dtype=auto, the hyperparameters logged (and saved in checkpoints) name the dtype that ran."""
+    result = run(tiny_shards, tmp_path, "--num_iterations=1", "--dtype=auto")
+    text = Path(result["log_path"]).read_text()
+    chosen = re.search(r"^  dtype: '(bfloat16|float32)'$", text, re.MULTILINE)
+    assert chosen, text[-3000:]
+    assert re.search(rf"^  dtype: {chosen[1]} \(auto: bfloat16 [\d.]+, float32 [\d.]+ GFLOP/s matmuls here\)$",
+                     text, re.MULTILINE)

@@ -25,7 +25,7 @@ import train_gpt
 def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int]:
     """A model of the preset's shape at its end-of-training window, with random weights everywhere
     (the zero-initialized output layers too, so the greedy tokens vary)."""
-    args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
+    args, _ = train_gpt.resolve_dtype(train_gpt.Hyperparameters(**train_gpt.PRESETS[preset]), device, 1)
     torch.manual_seed(0)
     model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
                           max(args.seq_len, args.val_seq_len))
