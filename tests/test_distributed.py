@@ -148,9 +148,11 @@ def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
 def test_processes_with_accumulation_train_like_one(nproc, batch_slots, tiny_shards, tmp_path):
     """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps:
     the sums run in other orders, which exact_grad_sum makes irrelevant."""
-    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", batch_slots, *tiny_shards))
+    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
+                 train_args(tmp_path / "one", batch_slots, *tiny_shards, iterations=4))
     assert "gradient sum: float64 over micro-steps and ranks" in one.log
-    many = launch(tmp_path / "many", torchrun(nproc), TRAIN_GPT, train_args(tmp_path / "many", batch_slots, *tiny_shards))
+    many = launch(tmp_path / "many", torchrun(nproc), TRAIN_GPT,
+                  train_args(tmp_path / "many", batch_slots, *tiny_shards, iterations=4))
     assert (f"batch: {batch_slots} sequences x 128 tokens per step = {nproc} ranks x {batch_slots // nproc} micro-steps"
             in many.log)
     val_diff, param_diff = assert_runs_agree(one, many)
@@ -165,7 +167,7 @@ def test_without_the_float64_sum_the_order_shows(tiny_shards, tmp_path):
     runs = {}
     for name, launcher in (("one", [sys.executable]), ("two", torchrun(2))):
         runs[name] = launch(tmp_path / name, launcher, TRAIN_GPT,
-                            train_args(tmp_path / name, 8, *tiny_shards, "--exact_grad_sum=false"))
+                            train_args(tmp_path / name, 8, *tiny_shards, "--exact_grad_sum=false", iterations=4))
     one, two = runs["one"], runs["two"]
     assert "gradient sum: in the parameters' dtypes" in two.log
     pa, pb = one.params(), two.params()

@@ -98,7 +98,7 @@ def test_resume_latest_without_checkpoints_names_the_folder(tiny_shards, tmp_pat
     assert_one_line_error(proc, f"--resume=latest: no checkpoints in {tmp_path / 'ck' / 'nothing'}")
 
 
-ITERATIONS = 40
+ITERATIONS = 16
 
 
 def interrupted(cmd, cwd, signum=signal.SIGTERM, after_step=4, timeout=240):
@@ -128,8 +128,8 @@ def train_losses(output: str) -> dict[int, str]:
 @pytest.mark.parametrize("nproc, signum", [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM)])
 def test_a_signal_saves_a_checkpoint_and_the_resumed_run_equals_the_uninterrupted_one(tiny_shards, tmp_path, nproc, signum):
     launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    common = [*TINY_RUN, *tiny_shards, f"--num_iterations={ITERATIONS}", "--val_loss_every=20", "--train_loss_every=1",
-              "--checkpoint_every=15", "--save_checkpoint", f"--log_dir={tmp_path / 'logs'}"]
+    common = [*TINY_RUN, *tiny_shards, f"--num_iterations={ITERATIONS}", "--val_loss_every=8", "--train_loss_every=1",
+              "--checkpoint_every=6", "--save_checkpoint", f"--log_dir={tmp_path / 'logs'}"]
     whole = finish(start([*launcher, TRAIN_GPT, *common, "--run_id=whole", f"--checkpoint_dir={tmp_path / 'w'}"],
                          tmp_path), 240)
     assert whole[0] == 0, whole[1][-3000:]

@@ -155,7 +155,8 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
     timed steps give step time, tokens/s and MFU."""
     if device.type != "cuda" and args.compile:
         raise Skip("needs CUDA: the record model compiled takes minutes per step on CPU")
-    paths = train_gpt.choose_fast_paths(args, device, "")
+    args, dtype_line = train_gpt.resolve_dtype(args, device, 1)
+    paths = train_gpt.choose_fast_paths(args, device, "", dtype_line)
     trainer = train_gpt.Trainer(args, 0, 1, device, paths)
     g = torch.Generator().manual_seed(3)
     batch = [(t[:-1].to(device, torch.int32), t[1:].to(device)) for t in
