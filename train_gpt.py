@@ -303,16 +303,23 @@ class Muon(torch.optim.Optimizer):
     next round computes, then applied. Every rank applies the same updates, and each matrix is
     orthogonalized alone, so its update has the same bits at any world size. A single process is
     world size 1: the same code with no communication. On CUDA the orthogonalization is compiled.
+
+    Two options, off by default (the record): neuron_beta2 > 0 normalizes each orthogonalized update
+    per neuron (NorMuon), and the group's weight_decay applies cautious weight decay; both run on
+    every rank after the all-gather, so their state too is the same at any world size.
     """
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
-                 dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1):
+                 dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
+                 weight_decay: float = 0.0):
         if method not in ORTHOGONALIZERS:
             raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
         # Larger matrices first: rounds then pair matrices of similar size, wasting little padding.
         params = sorted(params, key=lambda p: -p.numel())
-        super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov))
+        super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                                                     weight_decay=weight_decay))
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
+        self.neuron_beta2 = neuron_beta2
         dealt = deal_by_cost([orthogonalization_flops(p.shape) for p in params], world_size)
         self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank orthogonalizes
         self.rounds = [[mine[r] if r < len(mine) else None for mine in self.dealt]
@@ -345,20 +352,38 @@ class Muon(torch.optim.Optimizer):
             else:
                 gathered, handle = out, None
             if in_flight is not None:  # apply the previous round while this one is gathered
-                self._apply(*in_flight, group["lr"])
+                self._apply(*in_flight, group)
             in_flight = (round_params, gathered, handle, size)
         if in_flight is not None:
-            self._apply(*in_flight, group["lr"])
+            self._apply(*in_flight, group)
 
-    @staticmethod
-    def _apply(round_params: list, gathered: Tensor, handle, size: int, lr: float):
+    def _apply(self, round_params: list, gathered: Tensor, handle, size: int, group: dict):
         if handle is not None:
             handle.wait()
+        lr, weight_decay = group["lr"], group["weight_decay"]
         for k, p in enumerate(round_params):
             if p is not None:
                 rows, cols = p.shape[-2:]
                 update = gathered[k * size:k * size + p.numel()].view_as(p)
+                if self.neuron_beta2:
+                    update = self._normalize_neurons(p, update)
+                if weight_decay:
+                    # Cautious: decay only the entries that this step also moves toward zero.
+                    p.sub_(p * (update * p > 0) * (lr * weight_decay))
                 p.add_(update.to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
+
+    def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
+        """NorMuon (Li et al., 2025): divide the update by an EMA of its mean square per neuron (per row
+        of a tall or square matrix, per column of a wide one), then rescale it to its original norm."""
+        update = update.float()
+        per_row = p.size(-2) >= p.size(-1)
+        mean_square = update.square().mean(dim=-1 if per_row else -2, keepdim=True)
+        state = self.state[p]
+        if "neuron_second_moment" not in state:
+            state["neuron_second_moment"] = torch.zeros_like(mean_square)
+        second_moment = state["neuron_second_moment"].lerp_(mean_square, 1 - self.neuron_beta2)
+        normalized = update / (second_moment.sqrt() + 1e-10)
+        return normalized * (update.norm(dim=(-2, -1), keepdim=True) / (normalized.norm(dim=(-2, -1), keepdim=True) + 1e-10))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -528,13 +553,20 @@ class KVCache:
 ATTENTION_SCALE = 0.12  # the record's fixed softmax scale (QK-normed, so no 1/sqrt(d))
 
 
+VE_GATE_INPUTS = 12  # residual-stream dims a value-embedding gate reads
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, ve_gate: bool = False):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         hidden = num_heads * head_dim
         bound = 3**0.5 * 0.5 * model_dim**-0.5
         self.qkv_w = nn.Parameter(torch.empty(3, hidden, model_dim).uniform_(-bound, bound))
+        # Optional gate on the value embedding, per head: 2 sigmoid(w . x[:12]), 1 at the zero init.
+        self.ve_gate = CastedLinear(min(VE_GATE_INPUTS, model_dim), num_heads) if ve_gate else None
+        if ve_gate:
+            self.ve_gate.weight.detach().zero_()
         self.rotary = Rotary(head_dim, max_seq_len)
         self.c_proj = CastedLinear(hidden, model_dim)
         self.c_proj.weight.detach().zero_()
@@ -545,7 +577,13 @@ class CausalSelfAttention(nn.Module):
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
         q, k = self.rotary(norm(q), start), self.rotary(norm(k), start)
-        v = lambdas[0] * v if ve is None else lambdas[0] * v + lambdas[1] * ve.view_as(v)
+        if ve is None:
+            v = lambdas[0] * v
+        elif self.ve_gate is None:
+            v = lambdas[0] * v + lambdas[1] * ve.view_as(v)
+        else:
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
+            v = lambdas[0] * v + lambdas[1] * gate[..., None] * ve.view_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
@@ -565,9 +603,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
+                 ve_gate: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len) if has_attention else None
+        self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len, ve_gate) if has_attention else None
         self.mlp = MLP(model_dim)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor,
@@ -578,21 +617,31 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
-def value_embedding_layout(num_layers: int) -> list[int | None]:
-    """Which value-embedding table each layer mixes into v: tables 0, 1, 2 on the first three layers
-    and again on the last three (fewer when shallow, always leaving two middle layers without)."""
+VALUE_EMBED_LAYOUTS = ("u", "alternate")  # the values of Hyperparameters.value_embed_layout
+
+
+def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | None]:
+    """Which value-embedding table each layer mixes into v. u (the record): tables 0, 1, 2 on the first
+    three layers and again on the last three (fewer when shallow, always leaving two middle layers
+    without). alternate: every other layer from the first, half as many tables, each used twice in turn."""
+    if layout == "alternate":
+        layers = range(0, num_layers, 2)
+        tables = -(-len(layers) // 2)
+        return [layers.index(i) % tables if i in layers else None for i in range(num_layers)]
+    if layout != "u":
+        raise ValueError(f"unknown value-embedding layout {layout!r}; choose one of {', '.join(VALUE_EMBED_LAYOUTS)}")
     tables = min(3, (num_layers - 2) // 2)
-    layout = [None] * num_layers
+    placed = [None] * num_layers
     for t in range(tables):
-        layout[t] = layout[num_layers - tables + t] = t
-    return layout
+        placed[t] = placed[num_layers - tables + t] = t
+    return placed
 
 
-def attention_free_layer(num_layers: int) -> int:
-    """The layer without attention: the second decoder layer (7 of 12, as in the record), moved
-    earlier when that layer has a value embedding, whose only use is attention."""
-    tables = sum(t is not None for t in value_embedding_layout(num_layers)) // 2
-    return min(num_layers // 2 + 1, num_layers - tables - 1)
+def attention_free_layer(num_layers: int, layout: str = "u") -> int:
+    """The layer without attention: the second decoder layer (7 of 12, as in the record), or the
+    nearest earlier one without a value embedding, whose only use is attention."""
+    tables = value_embedding_layout(num_layers, layout)
+    return max(i for i in range(min(num_layers // 2 + 2, num_layers)) if tables[i] is None)
 
 
 def long_window_layers(num_layers: int) -> list[bool]:
@@ -613,23 +662,62 @@ def pad_to_blocks(tokens: Tensor) -> Tensor:
     return F.pad(tokens, (0, next_multiple(tokens.numel(), BLOCK_SIZE) - tokens.numel()), value=PAD_TOKEN)
 
 
+class ChunkedSoftcapLoss(torch.autograd.Function):
+    """The summed cross-entropy of softcapped logits xn @ w^T (what GPT.softcapped_logits and
+    F.cross_entropy compute), chunk rows at a time, without ever holding the (T, vocab) float32
+    logits: each chunk's gradients are made in the forward while its logits are at hand (training
+    always runs backward), and the backward only scales them. The same maths, in fewer passes over
+    far less memory; on CPU the unchunked logits cost more in memory traffic than in FLOPs."""
+
+    @staticmethod
+    def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        scale = 1 / (LOGIT_SOFTCAP_SPREAD * xn.size(-1) ** 0.5)
+        need_grads = any(ctx.needs_input_grad[:2])
+        grad_xn = torch.empty_like(xn) if need_grads else None
+        grad_w = torch.zeros_like(w, dtype=torch.float32) if need_grads else None
+        total = torch.zeros((), dtype=torch.float32, device=xn.device)
+        for start in range(0, xn.size(0), chunk):
+            rows, t = xn[start:start + chunk], targets[start:start + chunk]
+            s = (rows @ w.T).float().mul_(scale).sigmoid_()
+            logits = s * LOGIT_SOFTCAP
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if not need_grads:
+                continue
+            # d loss/d logits = softmax - one_hot(target); d logits/d z = LOGIT_SOFTCAP * scale * s * (1 - s)
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad[torch.arange(t.numel(), device=t.device), t] -= 1
+            grad.mul_(s).mul_(s.neg_().add_(1)).mul_(LOGIT_SOFTCAP * scale)
+            grad = grad.to(xn.dtype)
+            grad_xn[start:start + chunk] = grad @ w
+            grad_w += (grad.T @ rows).float()
+        ctx.save_for_backward(grad_xn, grad_w.to(w.dtype) if need_grads else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        grad_xn, grad_w = ctx.saved_tensors
+        return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None
+
+
 class GPT(nn.Module):
     """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
     order in which gradients become ready in backward (the bucketing relies on it)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, attention_backend: str = "sdpa", fp8_grad_scale: str = "record"):
+                 max_seq_len: int, attention_backend: str = "sdpa", fp8_grad_scale: str = "record",
+                 value_embed_layout: str = "u", value_embed_gates: bool = False):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
         self.num_layers, self.max_seq_len = num_layers, max_seq_len
         self.attention_backend = attention_backend
-        self.ve_layout = value_embedding_layout(num_layers)
+        self.ve_layout = value_embedding_layout(num_layers, value_embed_layout)
         self.long_window = long_window_layers(num_layers)
-        no_attention = attention_free_layer(num_layers)
+        no_attention = attention_free_layer(num_layers, value_embed_layout)
         self.embed = nn.Embedding(vocab_size, model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim)
-                                          for _ in range(sum(t is not None for t in self.ve_layout) // 2))
+                                          for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
         # One parameter for all scalars (one Adam tensor): U-net skip weights, then per layer the
         # (stream, x0) mixing lambdas, then per layer the (v, value embedding) lambdas.
         self.scalars = nn.Parameter(torch.cat([
@@ -637,15 +725,19 @@ class GPT(nn.Module):
             torch.tensor([1.0, 0.0]).repeat(num_layers),
             torch.tensor([0.5, 0.5]).repeat(num_layers),
         ]))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention)
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention,
+                                          value_embed_gates and self.ve_layout[i] is not None)
                                     for i in range(num_layers))
         self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128), lm_head_fp8_scales(model_dim, fp8_grad_scale))
         self.lm_head.weight.detach().zero_()
+        self.loss_chunk = 0  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
         """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean, computed
         EVAL_LOSS_CHUNK positions at a time."""
         x = self.trunk(input_seq, attention_masks(input_seq, window_blocks, self.attention_backend))
+        if self.training and self.loss_chunk and not self.lm_head.use_fp8:
+            return ChunkedSoftcapLoss.apply(norm(x[0]), self.lm_head.weight.type_as(x), target_seq, self.loss_chunk)
         if self.training:
             logits = self.softcapped_logits(x)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
@@ -935,6 +1027,8 @@ class Hyperparameters:
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
+    value_embed_layout: str = "u"  # value-embedding tables on layers: u (the record: first and last three) or alternate (every other layer; reported better in later records)
+    value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
     # optimizers
     head_lr: float = 0.22  # Adam lr for the lm_head
     embed_lr: float = 0.6  # Adam lr for token and value embeddings
@@ -946,12 +1040,15 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
+    muon_neuron_beta2: float = 0.0  # NorMuon (Li et al., 2025): EMA decay of each neuron's update mean square, 0.95 published; 0: off (the record)
+    muon_cautious_wd: float = 0.0  # cautious weight decay on Muon's matrices (Chen et al., 2025), ramping linearly to 0 over training; best ~ 1/width^2; 0: off (the record)
     orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
     # systems
     dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (the faster here)
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
+    loss_chunk: int = 0  # training loss over the lm_head this many positions at a time, never holding all fp32 logits (ours; 0: at once, as the record; not with fp8)
     fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (1/448, published) or e5m2_bound (ours: keeps gradients 1/448 flushes; unmeasured on H100)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
@@ -1055,6 +1152,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if args.val_tokens <= 0 or args.val_tokens % (args.val_seq_len * world_size):
         raise ConfigError(f"val_tokens={args.val_tokens} must be a positive multiple of val_seq_len x world size "
                           f"({args.val_seq_len} x {world_size})")
+    if args.value_embed_layout not in VALUE_EMBED_LAYOUTS:
+        raise ConfigError(f"value_embed_layout={args.value_embed_layout!r}; choose one of {', '.join(VALUE_EMBED_LAYOUTS)}")
     if args.orthogonalizer not in ORTHOGONALIZERS:
         raise ConfigError(f"orthogonalizer={args.orthogonalizer!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
     if args.fp8_grad_scale not in FP8_GRAD_SCALES:
@@ -1063,6 +1162,12 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"dtype={args.dtype!r}; choose {', '.join(DTYPES)} or auto")
     if not 0 <= args.cooldown_frac <= 1:
         raise ConfigError(f"cooldown_frac={args.cooldown_frac} must be within [0, 1]")
+    if not 0 <= args.muon_neuron_beta2 < 1:
+        raise ConfigError(f"muon_neuron_beta2={args.muon_neuron_beta2} must be within [0, 1) (0: NorMuon off)")
+    if args.muon_cautious_wd < 0:
+        raise ConfigError(f"muon_cautious_wd={args.muon_cautious_wd} must be >= 0 (0: off)")
+    if args.loss_chunk < 0:
+        raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
 
@@ -1081,17 +1186,25 @@ def usage() -> str:
 # Training loop
 
 
+def build_model(args: Hyperparameters, max_seq_len: int, attention_backend: str = "sdpa") -> GPT:
+    """The GPT that args describe, on CPU, its parameters in float32."""
+    return GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
+               attention_backend, args.fp8_grad_scale, args.value_embed_layout, args.value_embed_gates)
+
+
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1) -> tuple[torch.optim.Adam, Muon]:
     """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices.
-    Each group remembers its initial_lr, which the schedule scales."""
-    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2]
+    Each group remembers its initial_lr, which the schedule scales. Value-embedding gates are a few
+    scalars per head and go with the scalars."""
+    gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
     adam = torch.optim.Adam([dict(params=[model.lm_head.weight], lr=args.head_lr),
                              dict(params=embeddings, lr=args.embed_lr),
-                             dict(params=[model.scalars], lr=args.scalar_lr)],
+                             dict(params=[model.scalars, *gates], lr=args.scalar_lr)],
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
-                dtype=DTYPES[args.dtype], rank=rank, world_size=world_size)
+                dtype=DTYPES[args.dtype], rank=rank, world_size=world_size, neuron_beta2=args.muon_neuron_beta2)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1349,6 +1462,8 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     lines = [
         f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
         f"attention: {attention}",
+        "training loss: " + (f"in chunks of {args.loss_chunk} positions" if args.loss_chunk and not fp8 else
+                             "all positions at once" + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
         f"compile: {'on' if args.compile else 'off (compile=false)'}",
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
         dtype_line or f"dtype: {args.dtype}",
@@ -1386,11 +1501,11 @@ class Trainer:
     def __init__(self, args: Hyperparameters, rank: int, world_size: int, device: torch.device, paths: FastPaths):
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
         torch.manual_seed(args.seed)
-        self.model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                         max(args.seq_len, args.val_seq_len), paths.attention, args.fp8_grad_scale).to(device)
+        self.model = build_model(args, max(args.seq_len, args.val_seq_len), paths.attention).to(device)
         for table in [self.model.embed, *self.model.value_embeds]:
             table.to(DTYPES[args.dtype])
         self.model.lm_head.use_fp8 = paths.fp8
+        self.model.loss_chunk = args.loss_chunk
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -1413,7 +1528,8 @@ class Trainer:
     def describe(self) -> list[str]:
         args, model, buckets = self.args, self.model, self.buckets
         lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
-                 f"attention-free layer {attention_free_layer(args.num_layers)}; long-window layers "
+                 f"attention-free layer {attention_free_layer(args.num_layers, args.value_embed_layout)}; "
+                 f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; long-window layers "
                  f"{[i for i, long in enumerate(model.long_window) if long]}"]
         flops = [sum(orthogonalization_flops(p.shape) for p in mine) for mine in self.muon.dealt]
         lines.append(f"muon: {len(self.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
@@ -1450,6 +1566,7 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, self.args)
         for group in self.muon.param_groups:
             group["momentum"] = muon_momentum(step, self.args)
+            group["weight_decay"] = self.args.muon_cautious_wd * (1 - step / self.args.num_iterations)
         for optimizer in self.optimizers:
             optimizer.step()
         self.model.zero_grad(set_to_none=True)

@@ -1,6 +1,7 @@
 """The GPT: layer layout rules, U-net wiring, initialization, rotary, gradients, backends, and the
 gradient-ready order that GradientBuckets relies on."""
 
+import copy
 import math
 import sys
 from pathlib import Path
@@ -284,3 +285,120 @@ def test_gradients_become_ready_in_reversed_parameter_order():
     assert ready == sorted(ready), order
     bucket_order = [stage(name) for name, _ in reversed(list(model.named_parameters()))]
     assert bucket_order == sorted(bucket_order)
+
+
+def whole_logits_loss_and_grads(model, x, targets, dtype):
+    """The unchunked loss in dtype and its gradients for x and the lm_head, times 2.5 (an incoming gradient)."""
+    model = copy.deepcopy(model).to(dtype)
+    x = x.detach().to(dtype).requires_grad_()
+    logits = model.softcapped_logits(x)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum")
+    return loss, torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
+
+
+@pytest.mark.parametrize("chunk", [7, 100, 512, 4096])
+def test_chunked_loss_equals_the_whole_logits_loss(chunk):
+    """ChunkedSoftcapLoss against softcapped_logits + F.cross_entropy on the whole sequence, for chunks
+    that divide T, that do not (7, 100), and that exceed it: the same loss, and gradients for x and the
+    lm_head within float32 rounding of the float64 truth, as the unchunked float32 ones are: a gradient
+    sums 50304 vocabulary terms that nearly cancel, and a BLAS kernel for few rows (chunk 7) sums them
+    less carefully, ~1e-5 of the gradient's scale (1e-6 for the whole matmul)."""
+    model = randomize_(tiny_gpt())
+    torch.manual_seed(2)
+    x = torch.randn(1, T, 32, requires_grad=True)
+    _, targets = documents(seed=3)
+    reference, ref_grads = whole_logits_loss_and_grads(model, x, targets, torch.float32)
+    truth, true_grads = whole_logits_loss_and_grads(model, x, targets, torch.float64)
+    loss = train_gpt.ChunkedSoftcapLoss.apply(train_gpt.norm(x[0]), model.lm_head.weight, targets, chunk)
+    grads = torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+    for got, want, true in zip(grads, ref_grads, true_grads):
+        scale = true.abs().max().item()
+        chunked_error, whole_error = ((g.double() - true).abs().max().item() / scale for g in (got, want))
+        assert whole_error < 2e-5 and chunked_error < 2e-5, (chunked_error, whole_error)
+
+
+def test_model_with_chunked_loss_trains_the_same():
+    """GPT.forward in training with loss_chunk set: the same loss and parameter gradients as without."""
+    inputs, targets = documents()
+    results = []
+    for loss_chunk in (0, 96):
+        model = randomize_(tiny_gpt()).train()
+        model.loss_chunk = loss_chunk
+        loss = model(inputs, targets, torch.tensor(4))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    assert grads0.keys() == grads1.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-4, atol=1e-5 * grads0[name].abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_chunked_loss_without_grad_is_the_loss_alone():
+    model = randomize_(tiny_gpt())
+    x = torch.randn(T, 32)
+    _, targets = documents(seed=4)
+    with torch.no_grad():
+        loss = train_gpt.ChunkedSoftcapLoss.apply(train_gpt.norm(x), model.lm_head.weight, targets, 128)
+        logits = model.softcapped_logits(x)
+        reference = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+
+
+# The alternate layout: every other layer from the first, half as many tables (rounded up), used in turn.
+ALTERNATE = {
+    12: dict(ve=[0, None, 1, None, 2, None, 0, None, 1, None, 2, None], attention_free=7),
+    8: dict(ve=[0, None, 1, None, 0, None, 1, None], attention_free=5),
+    4: dict(ve=[0, None, 0, None], attention_free=3),
+    6: dict(ve=[0, None, 1, None, 0, None], attention_free=3),
+}
+
+
+@pytest.mark.parametrize("depth", sorted(ALTERNATE))
+def test_alternate_value_embedding_layout(depth):
+    expected = ALTERNATE[depth]
+    assert train_gpt.value_embedding_layout(depth, "alternate") == expected["ve"]
+    assert train_gpt.attention_free_layer(depth, "alternate") == expected["attention_free"]
+    torch.manual_seed(0)
+    model = train_gpt.GPT(256, depth, 2, 16, 32, T, value_embed_layout="alternate")
+    assert len(model.value_embeds) == max(t for t in expected["ve"] if t is not None) + 1
+    assert [block.attn is None for block in model.blocks] == [i == expected["attention_free"] for i in range(depth)]
+    with pytest.raises(ValueError, match="unknown value-embedding layout 'v'"):
+        train_gpt.value_embedding_layout(depth, "v")
+
+
+def test_value_embedding_gate_scales_each_head_by_2_sigmoid():
+    """A gated attention layer equals an ungated one (same weights) whose value embedding was multiplied,
+    per position and head, by 2 sigmoid(w . x[:12]) computed here; at the zero init the gate is 1."""
+    torch.manual_seed(0)
+    gated = train_gpt.CausalSelfAttention(32, 2, 16, T, ve_gate=True)
+    plain = train_gpt.CausalSelfAttention(32, 2, 16, T)
+    plain.load_state_dict({k: v for k, v in gated.state_dict().items() if not k.startswith("ve_gate")})
+    with torch.no_grad():
+        plain.c_proj.weight.uniform_(-0.2, 0.2)
+        gated.c_proj.weight.copy_(plain.c_proj.weight)
+    x, ve = torch.randn(1, T, 32), torch.randn(1, T, 32)
+    tokens, _ = documents()
+    mask = train_gpt.attention_masks(tokens, 4, "sdpa")[0]
+    lambdas = torch.tensor([0.7, 0.4])
+    with torch.no_grad():
+        torch.testing.assert_close(gated(x, ve, lambdas, mask), plain(x, ve, lambdas, mask), atol=0, rtol=0)
+        gated.ve_gate.weight.normal_()
+        w = gated.ve_gate.weight  # (heads, 12)
+        gate = 2 / (1 + torch.exp(-(x[0, :, :12] @ w.T)))  # (T, heads)
+        expected = plain(x, (ve.view(1, T, 2, 16) * gate[None, :, :, None]).view(1, T, 32), lambdas, mask)
+        torch.testing.assert_close(gated(x, ve, lambdas, mask), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
+    args = train_gpt.Hyperparameters(num_layers=4, model_dim=32, num_heads=2, head_dim=16, value_embed_gates=True)
+    model = train_gpt.build_model(args, T)
+    gated = [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.ve_gate is not None]
+    assert gated == [i for i, t in enumerate(model.ve_layout) if t is not None] == [0, 3]
+    adam, muon = train_gpt.build_optimizers(model, args)
+    gates = {id(model.blocks[i].attn.ve_gate.weight) for i in gated}
+    scalar_group = next(g for g in adam.param_groups if g["lr"] == args.scalar_lr)
+    assert {id(p) for p in scalar_group["params"]} == gates | {id(model.scalars)}
+    assert not gates & {id(p) for g in muon.param_groups for p in g["params"]}

@@ -267,3 +267,83 @@ def test_window_blocks_record():
     assert train_gpt.window_blocks(0, RECORD) == 1
     assert train_gpt.window_blocks(885, RECORD) == 7  # 864 tokens -> 6.75 blocks, rounded up
     assert train_gpt.window_blocks(1770, RECORD) == 14
+
+
+def hand_neuron_normalization(update, second_moment, beta2, per_row):
+    """NorMuon's per-neuron step in plain Python lists: EMA of each row's (or column's) mean square,
+    division by its square root, rescaling to the update's Frobenius norm."""
+    rows, cols = len(update), len(update[0])
+    if per_row:
+        mean_square = [sum(v * v for v in row) / cols for row in update]
+    else:
+        mean_square = [sum(update[r][c] ** 2 for r in range(rows)) / rows for c in range(cols)]
+    second_moment = [beta2 * s + (1 - beta2) * m for s, m in zip(second_moment, mean_square)]
+    divided = [[update[r][c] / math.sqrt(second_moment[r if per_row else c]) for c in range(cols)] for r in range(rows)]
+    norm = lambda m: math.sqrt(sum(v * v for row in m for v in row))
+    scale = norm(update) / norm(divided)
+    return [[v * scale for v in row] for row in divided], second_moment
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (2, 2)])
+def test_normuon_normalizes_per_neuron_as_computed_by_hand(shape):
+    """Two steps on a tall (per row), a wide (per column) and a square (per row) matrix."""
+    muon = train_gpt.Muon([torch.nn.Parameter(torch.zeros(shape))], lr=0.1, momentum=0.9, neuron_beta2=0.95)
+    p = muon.param_groups[0]["params"][0]
+    per_row = shape[0] >= shape[1]
+    second_moment = [0.0] * (shape[0] if per_row else shape[1])
+    for step, seed in enumerate((1, 2)):
+        update = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * (1 + step)
+        got = muon._normalize_neurons(p, update.float())
+        expected, second_moment = hand_neuron_normalization(update.tolist(), second_moment, 0.95, per_row)
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+        stored = muon.state[p]["neuron_second_moment"].flatten().tolist()
+        assert stored == pytest.approx(second_moment, rel=1e-5)
+
+
+def first_muon_update(grad, momentum, method="newton_schulz"):
+    """Muon's first step direction, independently: momentum buffer (1 - m) g, Nesterov g.lerp(buf, m)."""
+    return train_gpt.orthogonalize(grad.lerp((1 - momentum) * grad, momentum), method, torch.float32)
+
+
+def test_muon_with_normuon_applies_the_normalized_update():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    grad = torch.randn(8, 4)
+    start = p.detach().clone()
+    muon = train_gpt.Muon([p], lr=0.1, momentum=0.9, dtype=torch.float32, neuron_beta2=0.95)
+    p.grad = grad
+    muon.step()
+    fresh = train_gpt.Muon([torch.nn.Parameter(torch.zeros(8, 4))], lr=0.1, momentum=0.9, neuron_beta2=0.95)
+    direction = fresh._normalize_neurons(fresh.param_groups[0]["params"][0], first_muon_update(grad, 0.9))
+    torch.testing.assert_close(p.detach(), start - 0.1 * 2**0.5 * direction, rtol=1e-5, atol=1e-6)
+
+
+def test_cautious_weight_decay_decays_only_where_the_update_agrees():
+    """Entries whose weight has the update's sign shrink by lr * wd * weight (beside the usual step);
+    opposite-sign entries get the usual step only."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6, 6))
+    grad = torch.randn(6, 6)
+    start = p.detach().clone()
+    muon = train_gpt.Muon([p], lr=0.05, momentum=0.9, dtype=torch.float32)
+    muon.param_groups[0]["weight_decay"] = 0.5
+    p.grad = grad
+    muon.step()
+    update = first_muon_update(grad, 0.9)
+    agree = update * start > 0
+    assert 0 < agree.sum() < agree.numel()  # both kinds of entry occur
+    expected = torch.where(agree, start * (1 - 0.05 * 0.5), start) - 0.05 * update
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cautious_weight_decay_ramps_to_zero_over_training(tmp_path):
+    """The training step sets Muon's weight decay to muon_cautious_wd * (1 - step / num_iterations)."""
+    args = train_gpt.Hyperparameters(**{**train_gpt.PRESETS["cpu"], "num_layers": 2, "model_dim": 64, "head_dim": 64,
+                                        "seq_len": 128, "val_seq_len": 128, "batch_slots": 1, "dtype": "float32",
+                                        "num_iterations": 4, "muon_cautious_wd": 0.3})
+    device = torch.device("cpu")
+    trainer = train_gpt.Trainer(args, 0, 1, device, train_gpt.choose_fast_paths(args, device, ""))
+    tokens = torch.randint(0, 50257, (129,))
+    for step in range(4):
+        trainer.train_step(step, [(tokens[:-1].int(), tokens[1:])])
+        assert trainer.muon.param_groups[0]["weight_decay"] == pytest.approx(0.3 * (1 - step / 4))

@@ -27,8 +27,7 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
     (the zero-initialized output layers too, so the greedy tokens vary)."""
     args, _ = train_gpt.resolve_dtype(train_gpt.Hyperparameters(**train_gpt.PRESETS[preset]), device, 1)
     torch.manual_seed(0)
-    model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                          max(args.seq_len, args.val_seq_len))
+    model = train_gpt.build_model(args, max(args.seq_len, args.val_seq_len))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("c_proj.weight") or name == "lm_head.weight":

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hp = train_gpt.Hyperparameters(**train_gpt.PRESETS[args.preset])
     torch.manual_seed(0)
-    model = train_gpt.GPT(hp.vocab_size, hp.num_layers, hp.num_heads, hp.head_dim, hp.model_dim, 384)
+    model = train_gpt.build_model(hp, 384)
     for table in [model.embed, *model.value_embeds]:
         table.to(torch.bfloat16)
     short, long = (saved_bytes(model, T) for T in (128, 384))

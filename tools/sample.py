@@ -42,7 +42,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
     max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
     try:
-        model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len)
+        model = train_gpt.build_model(args, max_seq_len)
     except (ValueError, RuntimeError) as e:
         raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
