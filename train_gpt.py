@@ -684,11 +684,12 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             if not need_grads:
                 continue
-            # d loss/d logits = softmax - one_hot(target); d logits/d z = LOGIT_SOFTCAP * scale * s * (1 - s)
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(t.numel(), device=t.device), t] -= 1
-            grad.mul_(s).mul_(s.neg_().add_(1)).mul_(LOGIT_SOFTCAP * scale)
-            grad = grad.to(xn.dtype)
+            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s), c = LOGIT_SOFTCAP * scale; c goes
+            # into the exponent and s (1 - s) is one addcmul: few passes over the chunk's logits.
+            c = LOGIT_SOFTCAP * scale
+            grad = logits.sub_(lse[:, None] - math.log(c)).exp_()
+            grad[torch.arange(t.numel(), device=t.device), t] -= c
+            grad = grad.mul_(torch.addcmul(s, s, s, value=-1)).to(xn.dtype)
             grad_xn[start:start + chunk] = grad @ w
             grad_w += (grad.T @ rows).float()
         ctx.save_for_backward(grad_xn, grad_w.to(w.dtype) if need_grads else None)
@@ -1080,6 +1081,7 @@ PRESETS = {
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
         muon_momentum_warmup_steps=30,
         orthogonalizer="polar_express",  # what the track_cpu records were made with
+        loss_chunk=1024,  # one sequence: 9.9 instead of 14.6 s a step on 2 AVX2 cores (fewer passes over the logits)
         dtype="auto",  # bf16 where the CPU multiplies it natively; CPUs that emulate it (AVX2) are ~100x slower in bf16
         exact_grad_sum=True,  # 1, 2, 4 or 8 processes get the same gradient bits (160 MB of float64 buffers)
         compile=False,
