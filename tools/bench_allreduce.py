@@ -65,7 +65,8 @@ def bench(args):
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = train_gpt.build_model(args, args.seq_len)
+    model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
+                          args.seq_len, "sdpa")
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     params = list(model.parameters())
