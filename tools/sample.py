@@ -56,7 +56,17 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     for table in [model.embed, *model.value_embeds]:
         table.to(train_gpt.DTYPES[dtype or args.dtype])
     model.load_state_dict(state["model"])
-    return model.to(device).eval(), train_gpt.window_blocks(state["step"], args)
+    return generation_layout(model.to(device).eval()), train_gpt.window_blocks(state["step"], args)
+
+
+def generation_layout(model: train_gpt.GPT) -> train_gpt.GPT:
+    """On CPU, the lm_head's weight stored transposed (same values and shape): a generated token reads
+    all of it for one position, and x @ W^T streams a contiguous W^T 2.4x faster than the training
+    layout (1.45 against 3.54 ms for the cpu preset's 50304 x 128 on 2 AVX2 cores)."""
+    weight = model.lm_head.weight
+    if weight.device.type == "cpu":
+        weight.data = weight.data.T.contiguous().T
+    return model
 
 
 def choose(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
