@@ -294,6 +294,9 @@ def deal_by_cost(costs: list[int], world_size: int) -> list[list[int]]:
     return dealt
 
 
+NORMUON_EPS = 1e-10  # keeps NorMuon's divisions finite for an all-zero row or update, and is negligible otherwise
+
+
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden weight matrices (..., rows, cols).
 
@@ -382,8 +385,9 @@ class Muon(torch.optim.Optimizer):
         if "neuron_second_moment" not in state:
             state["neuron_second_moment"] = torch.zeros_like(mean_square)
         second_moment = state["neuron_second_moment"].lerp_(mean_square, 1 - self.neuron_beta2)
-        normalized = update / (second_moment.sqrt() + 1e-10)
-        return normalized * (update.norm(dim=(-2, -1), keepdim=True) / (normalized.norm(dim=(-2, -1), keepdim=True) + 1e-10))
+        normalized = update / (second_moment.sqrt() + NORMUON_EPS)
+        update_norm = update.norm(dim=(-2, -1), keepdim=True)
+        return normalized * (update_norm / (normalized.norm(dim=(-2, -1), keepdim=True) + NORMUON_EPS))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -640,8 +644,8 @@ def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | Non
 def attention_free_layer(num_layers: int, layout: str = "u") -> int:
     """The layer without attention: the second decoder layer (7 of 12, as in the record), or the
     nearest earlier one without a value embedding, whose only use is attention."""
-    tables = value_embedding_layout(num_layers, layout)
-    return max(i for i in range(min(num_layers // 2 + 2, num_layers)) if tables[i] is None)
+    table_of_layer = value_embedding_layout(num_layers, layout)
+    return max(i for i in range(min(num_layers // 2 + 2, num_layers)) if table_of_layer[i] is None)
 
 
 def long_window_layers(num_layers: int) -> list[bool]:
@@ -672,6 +676,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
         scale = 1 / (LOGIT_SOFTCAP_SPREAD * xn.size(-1) ** 0.5)
+        c = LOGIT_SOFTCAP * scale  # d logits/d z = c * s * (1 - s)
         need_grads = any(ctx.needs_input_grad[:2])
         grad_xn = torch.empty_like(xn) if need_grads else None
         grad_w = torch.zeros_like(w, dtype=torch.float32) if need_grads else None
@@ -684,9 +689,8 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             if not need_grads:
                 continue
-            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s), c = LOGIT_SOFTCAP * scale; c goes
-            # into the exponent and s (1 - s) is one addcmul: few passes over the chunk's logits.
-            c = LOGIT_SOFTCAP * scale
+            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s); c goes into the exponent and
+            # s (1 - s) is one addcmul: few passes over the chunk's logits.
             grad = logits.sub_(lse[:, None] - math.log(c)).exp_()
             grad[torch.arange(t.numel(), device=t.device), t] -= c
             grad = grad.mul_(torch.addcmul(s, s, s, value=-1)).to(xn.dtype)
@@ -731,13 +735,13 @@ class GPT(nn.Module):
                                     for i in range(num_layers))
         self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128), lm_head_fp8_scales(model_dim, fp8_grad_scale))
         self.lm_head.weight.detach().zero_()
-        self.loss_chunk = 0  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
+        self.loss_chunk = 0  # training loss in chunks of this many rows (ChunkedSoftcapLoss; not with FP8); 0: all at once
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
         """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean, computed
         EVAL_LOSS_CHUNK positions at a time."""
         x = self.trunk(input_seq, attention_masks(input_seq, window_blocks, self.attention_backend))
-        if self.training and self.loss_chunk and not self.lm_head.use_fp8:
+        if self.training and self.loss_chunk:
             return ChunkedSoftcapLoss.apply(norm(x[0]), self.lm_head.weight.type_as(x), target_seq, self.loss_chunk)
         if self.training:
             logits = self.softcapped_logits(x)
@@ -1049,8 +1053,8 @@ class Hyperparameters:
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
-    loss_chunk: int = 0  # training loss over the lm_head this many positions at a time, never holding all fp32 logits (ours; 0: at once, as the record; not with fp8)
     fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (1/448, published) or e5m2_bound (ours: keeps gradients 1/448 flushes; unmeasured on H100)
+    loss_chunk: int = 0  # training loss over the lm_head this many positions at a time, never holding all fp32 logits (ours; 0: at once, as the record; not with fp8)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
     seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
@@ -1233,6 +1237,11 @@ def window_blocks(step: int, args: Hyperparameters) -> int:
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+
+
+def muon_weight_decay(step: int, args: Hyperparameters) -> float:
+    """Cautious weight decay: muon_cautious_wd at step 0, linearly to 0 at the last step."""
+    return args.muon_cautious_wd * (1 - step / args.num_iterations)
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
@@ -1447,6 +1456,7 @@ class FastPaths:
     """The device-dependent choices of a run, made once, each with the reason it is on or off."""
     fp8: bool
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
+    loss_chunk: int  # GPT.loss_chunk: args.loss_chunk, or 0 with the fp8 lm_head (which has its own op)
     lines: list[str]  # what the log says of each
 
 
@@ -1454,6 +1464,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     cuda = device.type == "cuda"
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
+    loss_chunk = 0 if fp8 else args.loss_chunk
     if not cuda:
         attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
     elif args.compile:
@@ -1464,8 +1475,8 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     lines = [
         f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
         f"attention: {attention}",
-        "training loss: " + (f"in chunks of {args.loss_chunk} positions" if args.loss_chunk and not fp8 else
-                             "all positions at once" + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
+        "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
+                             + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
         f"compile: {'on' if args.compile else 'off (compile=false)'}",
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
         dtype_line or f"dtype: {args.dtype}",
@@ -1475,7 +1486,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     if not cuda:
         malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
         lines.append(f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}")
-    return FastPaths(fp8, "flex" if cuda else "sdpa", lines)
+    return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, lines)
 
 
 def log_header(log: RunLog, source: str, args: Hyperparameters, preset: str, device: torch.device, world_size: int,
@@ -1507,7 +1518,7 @@ class Trainer:
         for table in [self.model.embed, *self.model.value_embeds]:
             table.to(DTYPES[args.dtype])
         self.model.lm_head.use_fp8 = paths.fp8
-        self.model.loss_chunk = args.loss_chunk
+        self.model.loss_chunk = paths.loss_chunk
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -1568,7 +1579,7 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, self.args)
         for group in self.muon.param_groups:
             group["momentum"] = muon_momentum(step, self.args)
-            group["weight_decay"] = self.args.muon_cautious_wd * (1 - step / self.args.num_iterations)
+            group["weight_decay"] = muon_weight_decay(step, self.args)
         for optimizer in self.optimizers:
             optimizer.step()
         self.model.zero_grad(set_to_none=True)

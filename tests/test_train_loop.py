@@ -46,7 +46,7 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert "hardware: 1x CPU" in header
     for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
-                 "  compile: off (compile=false)", "  dtype: float32", "  num_iterations: 2", "  seq_len: 128"):
+                 "  compile: off (compile=false)", "  dtype: float32", "  training loss: in chunks of 1024 positions", "  num_iterations: 2", "  seq_len: 128"):
         assert line in header, line
     assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
 
@@ -275,6 +275,10 @@ def test_fast_paths_on_cuda_say_how_attention_fits(monkeypatch):
     assert "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True" in compiled.lines
     assert "fp8 lm_head: on (compute capability 9.0), gradient scale record" in compiled.lines
     assert "muon: newton_schulz, compiled" in compiled.lines
+    # the FP8 lm_head has its own op, so a loss_chunk setting is left unused there, and said so
+    chunked = train_gpt.choose_fast_paths(dataclasses.replace(args, loss_chunk=1024), cuda, "x")
+    assert chunked.loss_chunk == 0
+    assert "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)" in chunked.lines
 
 
 def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
