@@ -116,6 +116,23 @@ def randomized_gpt():
     return randomize_(model, seed=0).eval()
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_generation_gives_the_eager_tokens(randomized_gpt, backend):
+    """tools/sample.py --compile: dynamo traces the cache's updates (buffers, lengths, masks made once
+    a block) and functionalizes them (aot_eager: seconds); inductor's kernels then only fuse (a minute
+    of compilation, so slow). Greedy tokens through a document start and three blocks equal the eager ones."""
+    model = randomized_gpt
+    prompt = [EOT, *range(100, 160), EOT, 7]
+    eager = list(sample.generate(model, prompt, 240, 2, temperature=0))
+    try:
+        sample.compile_for_generation(model, backend)
+        compiled = list(sample.generate(model, prompt, 240, 2, temperature=0))
+    finally:
+        del model.trunk, model.softcapped_logits  # back to the class's eager methods
+    assert compiled == eager
+    assert len(set(eager)) > 20
+
+
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(randomized_gpt, window):
     """Pieces of 1, 127, 12, 100 and 160 tokens; documents start mid-block, twice inside a block that

@@ -2,11 +2,13 @@
 
     python tools/bench_sample.py                         # the cpu preset's model (random weights)
     python tools/bench_sample.py CHECKPOINT --tokens 500
+    python tools/bench_sample.py --compile               # every way through torch.compile
 
 Each way generates the same number of tokens greedily from <|endoftext|> (continuing past any
 <|endoftext|> it produces). Re-running the prefix is timed twice: with the lm_head on the last
 position only (generate(use_cache=False), the cheapest way without a cache) and as the training
-forward computes it, with logits at every position.
+forward computes it, with logits at every position. Each way runs once untimed first (first-call
+allocations; with --compile, the whole run, so that every graph it needs is compiled).
 """
 
 import argparse
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=list(train_gpt.DTYPES), help="activations; default as tools/sample.py: "
                         "the model's own on CUDA, float32 on CPU")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the trunk and the logits "
+                        "(tools/sample.py --compile), for every way")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = args.dtype or (None if device.type == "cuda" else "float32")
@@ -79,21 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, window = preset_model("cpu", device, dtype)
         source = "the cpu preset's model, random weights"
+    if args.compile:
+        sample.compile_for_generation(model)
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     print(f"{source}: {sum(p.numel() for p in model.parameters()):,} parameters, {model.embed.weight.dtype} "
-          f"embeddings, long window {window} blocks, on {device}{threads}; {args.tokens} tokens from <|endoftext|>")
+          f"embeddings, long window {window} blocks, on {device}{threads}{', compiled' if args.compile else ''}; "
+          f"{args.tokens} tokens from <|endoftext|>")
     prompt = [train_gpt.EOT_TOKEN]
-    timed(sample.generate(model, prompt, 8, window, temperature=0), 8)  # warm-up: first-call allocations
-    cached, cached_tokens = timed(sample.generate(model, prompt, args.tokens, window, temperature=0), args.tokens)
-    print(f"  {'KV cache, one position per token:':44s} {1000 * cached:8.2f} ms per token", flush=True)
-    ways = [("whole prefix, lm_head on the last position", sample.generate(model, prompt, args.tokens, window,
-                                                                           temperature=0, use_cache=False)),
-            ("whole prefix, logits at every position", every_position_generation(model, window, args.tokens))]
+    ways = [("KV cache, one position per token", lambda n: sample.generate(model, prompt, n, window, temperature=0)),
+            ("whole prefix, lm_head on the last position",
+             lambda n: sample.generate(model, prompt, n, window, temperature=0, use_cache=False)),
+            ("whole prefix, logits at every position", lambda n: every_position_generation(model, window, n))]
+    cached = cached_tokens = None
     for name, generation in ways:
-        seconds, tokens = timed(generation, args.tokens)
+        warm_up = args.tokens if args.compile else 8
+        t0 = time.perf_counter()
+        timed(generation(warm_up), warm_up)
+        untimed = f" (untimed first run: {time.perf_counter() - t0:.1f} s)" if args.compile else ""
+        seconds, tokens = timed(generation(args.tokens), args.tokens)
+        if cached is None:
+            cached, cached_tokens = seconds, tokens
+            print(f"  {name + ':':44s} {1000 * seconds:8.2f} ms per token{untimed}", flush=True)
+            continue
         same = next((i for i, (a, b) in enumerate(zip(cached_tokens, tokens)) if a != b), args.tokens)
         print(f"  {name + ':':44s} {1000 * seconds:8.2f} ms per token: the cache is {seconds / cached:.1f}x faster "
-              f"(same first {same} tokens)", flush=True)
+              f"(same first {same} tokens){untimed}", flush=True)
     return 0
 
 
