@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile generation: pays off for long "
-                        "samples (about a minute of compilation on CPU)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile generation: for CUDA and long "
+                        "samples (about a minute of compilation on CPU, where it saves little)")
     parser.add_argument("--dtype", choices=[*train_gpt.DTYPES, "checkpoint"], default=None,
                         help="activations: default the checkpoint's on CUDA, float32 on CPU, where bfloat16 "
                              "matmuls are slow without native support (8x on AVX2)")
