@@ -187,8 +187,11 @@ def start(hub, tmp_path, *args):
         NO_PROXY="127.0.0.1",
     )
     out = tmp_path / "out"
+    # Ctrl-C reaches the downloader as in a terminal even where the suite runs with SIGINT ignored
+    # (a background job of a shell without job control), which the child would otherwise inherit.
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, out
 
 
