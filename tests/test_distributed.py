@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_RUN
+from conftest import ROOT, TINY_RUN, TINY_VOCAB
 
 import train_gpt
 
@@ -206,7 +206,7 @@ def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards
     assert [int(n) for n in counted[2].split(",")] == [ITERATIONS] * num_buckets
     assert int(counted[3]) == ITERATIONS
     # every launch, as each rank saw it
-    lm_head = [train_gpt.next_multiple(train_gpt.Hyperparameters.vocab_size, 128), 64]
+    lm_head = [train_gpt.next_multiple(TINY_VOCAB, 128), 64]
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
         assert len(record["bucket_shapes"]) == num_buckets

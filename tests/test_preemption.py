@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_RUN
+from conftest import ROOT, TINY_RUN, TINY_VOCAB
 from test_distributed import TRAIN_GPT, env, finish, start, torchrun
 
 import shards
@@ -54,7 +54,7 @@ def corrupt_shards(tiny_shards, tmp_path):
 @pytest.mark.parametrize("which", ["train", "val"])
 def test_a_token_id_past_the_vocabulary_names_the_shard_and_position(corrupt_shards, tmp_path, which):
     proc = run_script(tmp_path, *corrupt_shards(which), f"--log_dir={tmp_path / 'logs'}")
-    assert_one_line_error(proc, f"bad_{which}_000000.bin: token id 60000 at position 1234 is not below vocab_size=50257")
+    assert_one_line_error(proc, f"bad_{which}_000000.bin: token id 60000 at position 1234 is not below vocab_size={TINY_VOCAB}")
     assert not (tmp_path / "logs").exists()
 
 

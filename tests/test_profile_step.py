@@ -16,9 +16,12 @@ def test_it_profiles_real_training_steps():
     lines = report.splitlines()
     assert lines[0].startswith("preset cpu: 2 layers x 64, 2 x 128 tokens a step, dtype float32, compile False; cpu")
     assert "1 profiled steps" in lines[1] and "top 6 operations by self time" in lines[1]
-    # the table: a header, then six operations; the matmuls of a forward and backward must be among them
-    rows = [line for line in lines[2:] if line.strip().startswith("aten::")]
-    assert len(rows) == 6 and any(row.strip().startswith(("aten::mm", "aten::addmm", "aten::bmm")) for row in rows)
+    # the table: a header between rules, then six rows (aten operations or profiler ranges such as
+    # Optimizer.step) up to the closing rule; the matmuls of a forward and backward must be among them
+    rules = [i for i, line in enumerate(lines) if line.startswith("---")]
+    assert len(rules) == 3
+    rows = [line.strip() for line in lines[rules[1] + 1 : rules[2]]]
+    assert len(rows) == 6 and any(row.startswith(("aten::mm", "aten::addmm", "aten::bmm")) for row in rows)
 
 
 @pytest.mark.parametrize("arg", ["--top=0", "--steps=x"])
