@@ -66,8 +66,8 @@ sys.path.insert(0, str(ROOT))
 # A model and batch small enough that a step takes a few tens of ms on 2 cores; fp32 so that
 # comparisons between runs can be exact. A 1000-token vocabulary (padded to 1024): the GPT-2 one
 # makes the lm_head and loss ten times the cost of the rest of a step at this size. Its tokens hold
-# no <|endoftext|> (50256), so these runs are one document; test_model and test_masks train and
-# compare the document masks on the real vocabulary.
+# no <|endoftext|> (50256), so these runs are one document; test_model runs forward and backward
+# over several documents on the real vocabulary, and test_masks checks their masks.
 TINY_VOCAB = 1000
 TINY_RUN = ["--preset=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
             "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--dtype=float32",
