@@ -694,14 +694,16 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         for start in range(0, xn.size(0), chunk):
             rows, t = xn[start:start + chunk], targets[start:start + chunk]
             s = (rows @ w.T).float().mul_(scale).sigmoid_()
-            logits = s * LOGIT_SOFTCAP
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            # Softcapped logits lie in (0, LOGIT_SOFTCAP), so exp cannot overflow and the log-sum-exp
+            # needs no max pass: one exp serves the loss and the softmax.
+            softmax = torch.exp(s * LOGIT_SOFTCAP)
+            sum_exp = softmax.sum(dim=-1)
+            total += (sum_exp.log() - LOGIT_SOFTCAP * s.gather(1, t[:, None]).squeeze(1)).sum()
             if not need_grads:
                 continue
-            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s); c goes into the exponent and
-            # s (1 - s) is one addcmul: few passes over the chunk's logits.
-            grad = logits.sub_(lse[:, None] - math.log(c)).exp_()
+            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s): c joins the softmax's
+            # normalization and s (1 - s) is one addcmul, so few passes over the chunk.
+            grad = softmax.mul_((c / sum_exp)[:, None])
             grad[torch.arange(t.numel(), device=t.device), t] -= c
             grad = grad.mul_(torch.addcmul(s, s, s, value=-1)).to(xn.dtype)
             grad_xn[start:start + chunk] = grad @ w
@@ -1103,10 +1105,10 @@ PRESETS = {
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
         muon_momentum_warmup_steps=30,
         orthogonalizer="polar_express",  # what the track_cpu records were made with
-        loss_chunk=1024,  # one sequence: 9.9 instead of 14.6 s a step on 2 AVX2 cores (fewer passes over the logits)
+        loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively; CPUs that emulate it (AVX2) are ~100x slower in bf16
-        exact_grad_sum=True,  # 1, 2, 4 or 8 processes get the same gradient bits (160 MB of float64 buffers)
-        compile=False,
+        exact_grad_sum=False,  # ~8% of a step here; tests comparing world sizes switch it on
+        compile=True,  # 1.3 instead of 1.9 s a step on 2 AMX cores, for ~30 s of compile (~5 s cached)
         warmup_steps=0,
     ),
 }
@@ -1475,7 +1477,17 @@ class FastPaths:
     fp8: bool
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
     loss_chunk: int  # GPT.loss_chunk: args.loss_chunk, or 0 with the fp8 lm_head (which has its own op)
+    compile: bool  # args.compile, unless inductor has no C++ compiler to build CPU kernels with
     lines: list[str]  # what the log says of each
+
+
+def cpp_compiler_found() -> bool:
+    """Whether torch.compile can build CPU kernels here (inductor searches $CXX, then g++ and clang++)."""
+    from torch._inductor import cpp_builder
+    try:
+        return bool(cpp_builder.get_cpp_compiler())
+    except Exception:  # inductor raises its own error types when the search finds nothing
+        return False
 
 
 def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: str, dtype_line: str = "") -> FastPaths:
@@ -1483,6 +1495,10 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
     loss_chunk = 0 if fp8 else args.loss_chunk
+    compile_why = "compile=false"
+    compile = args.compile and (cuda or cpp_compiler_found())
+    if args.compile and not compile:
+        compile_why = "no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX"
     if not cuda:
         attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
     elif args.compile:
@@ -1495,7 +1511,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
         f"attention: {attention}",
         "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
                              + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
-        f"compile: {'on' if args.compile else 'off (compile=false)'}",
+        f"compile: {'on' if compile else f'off ({compile_why})'}",
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
         dtype_line or f"dtype: {args.dtype}",
         f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
@@ -1504,7 +1520,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     if not cuda:
         malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
         lines.append(f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}")
-    return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, lines)
+    return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, compile, lines)
 
 
 def log_header(log: RunLog, source: str, args: Hyperparameters, preset: str, device: torch.device, world_size: int,
@@ -1548,7 +1564,7 @@ class Trainer:
             self.buckets = GradientBuckets(list(reversed(list(self.model.parameters()))), int(args.bucket_mb * 1e6),
                                            world_size, torch.float64 if args.exact_grad_sum else None)
         self.grad_accum_steps = args.batch_slots // world_size
-        self.compiled = torch.compile(self.model, dynamic=False) if args.compile else self.model
+        self.compiled = torch.compile(self.model, dynamic=False) if paths.compile else self.model
         # Every window size of the run as a device tensor, made once: one built from a Python int at
         # each step would be a blocking host-to-device copy on CUDA.
         self.windows = {w: torch.tensor(w, dtype=torch.int32, device=device)

@@ -1,7 +1,7 @@
 """train_gpt.py on the real launcher: torchrun spawns the ranks, gloo on CPU, the tiny fp32 model.
 
-One process and two (or four) train the same model on the same tokens. The tiny runs use the cpu
-preset, whose exact_grad_sum sums micro-step gradients and all-reduces them in float64: exact for a
+One process and two (or four) train the same model on the same tokens. The tiny runs switch on
+exact_grad_sum (off in the cpu preset), which sums micro-step gradients and all-reduces them in float64: exact for a
 few float32 terms, so the order of the sum (one process: g0 + g1 + g2 + g3; two ranks: (g0 + g1) +
 (g2 + g3)) does not change a bit. Every launch here runs one thread per process, so the runs agree
 to the bit, with any number of micro-steps per rank; the issue's tolerances (val loss 1e-4,
@@ -88,7 +88,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 
 def train_args(tmp: Path, batch_slots: int, *extra, iterations=ITERATIONS, val_every=VAL_EVERY) -> list[str]:
-    return [*TINY_RUN, f"--batch_slots={batch_slots}", f"--num_iterations={iterations}", f"--val_loss_every={val_every}",
+    return [*TINY_RUN, "--exact_grad_sum=true", f"--batch_slots={batch_slots}", f"--num_iterations={iterations}", f"--val_loss_every={val_every}",
             "--save_checkpoint", "--run_id=run", f"--log_dir={tmp / 'logs'}", f"--checkpoint_dir={tmp / 'ckpt'}", *extra]
 
 

@@ -281,6 +281,34 @@ def test_fast_paths_on_cuda_say_how_attention_fits(monkeypatch):
     assert "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)" in chunked.lines
 
 
+def test_compiled_training_on_cpu_matches_eager(tiny_shards, tmp_path):
+    """The cpu preset compiles the model (inductor's C++ kernels, the chunked loss inside the graph):
+    the same steps as eager, within float32 rounding of the fused kernels."""
+    common = ["--num_iterations=3", "--val_loss_every=3"]
+    eager = run(tiny_shards, tmp_path, *common, run_id="eager")
+    compiled = run(tiny_shards, tmp_path, *common, "--compile=true", run_id="compiled")
+    assert "  compile: on" in Path(compiled["log_path"]).read_text()
+    # Step 2's loss is the first to see an update, so it checks the compiled gradients (measured: equal
+    # to 1e-7). After that, Adam's eps=1e-10 turns last-bit differences in near-zero gradients into
+    # whole steps on rare embedding rows, as different thread counts do (measured: 1e-3 at step 3).
+    for step in (1, 2):
+        assert compiled["train_losses"][step] == pytest.approx(eager["train_losses"][step], rel=1e-5, abs=0)
+    assert compiled["val_losses"][3] == pytest.approx(eager["val_losses"][3], rel=1e-2, abs=0)
+    assert compiled["val_losses"][3] < compiled["val_losses"][0] - 0.3  # and it learned
+
+
+def test_compile_without_a_cpp_compiler_runs_eager_and_says_why():
+    from torch._inductor import config as inductor_config
+    args = train_gpt.Hyperparameters(compile=True)
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):  # what $CXX sets at import
+        assert not train_gpt.cpp_compiler_found()
+        paths = train_gpt.choose_fast_paths(args, torch.device("cpu"), "x")
+    assert not paths.compile
+    assert ("compile: off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)"
+            in paths.lines)
+    assert train_gpt.choose_fast_paths(args, torch.device("cpu"), "x").compile  # this machine has one
+
+
 def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
     """The log names the measured matmul peak, and the MFU it reports is achieved FLOP/s over that peak."""
     result = run(tiny_shards, tmp_path, "--num_iterations=3")

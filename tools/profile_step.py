@@ -62,8 +62,9 @@ def main(argv=None) -> str:
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     report = "\n".join([
         f"preset {preset}: {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens a step, "
-        f"dtype {args.dtype}, compile {args.compile}; {device.type}, {torch.get_num_threads()} threads",
+        f"dtype {args.dtype}, compile {paths.compile}; {device.type}, {torch.get_num_threads()} threads",
         f"{own['steps']} profiled steps, {step_ms:.0f} ms a step (under the profiler); top {own['top']} operations by self time:",
+        *(line for line in paths.lines if line.startswith("glibc malloc tuning: off")),
         prof.key_averages().table(sort_by=sort_by, row_limit=own["top"]),
     ])
     print(report)
