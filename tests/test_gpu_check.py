@@ -31,7 +31,7 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
 def test_training_check_runs_the_real_trainer_on_cpu():
     """The training check's code path, uncompiled and tiny: the loss falls on a repeated batch."""
     args = dataclasses.replace(train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"]), num_layers=2, model_dim=64,
-                               num_heads=1, head_dim=64, seq_len=128, batch_slots=2, num_iterations=20)
+                               num_heads=1, head_dim=64, seq_len=128, batch_slots=2, num_iterations=20, compile=False)
     summary = gpu_check.check_training(torch.device("cpu"), args, steps=4, warmup=2)
     assert summary.startswith("2 layers x 64, 2 x 128 tokens: loss 10.83 -> ")
     assert "tokens/s" in summary and "TFLOP/s" in summary
