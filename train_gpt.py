@@ -1486,10 +1486,10 @@ class FastPaths:
 
 def cpp_compiler_found() -> bool:
     """Whether torch.compile can build CPU kernels here (inductor searches $CXX, then g++ and clang++)."""
-    from torch._inductor import cpp_builder
+    from torch._inductor import cpp_builder, exc
     try:
         return bool(cpp_builder.get_cpp_compiler())
-    except Exception:  # inductor raises its own error types when the search finds nothing
+    except exc.InvalidCxxCompiler:
         return False
 
 
@@ -1498,13 +1498,12 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
     loss_chunk = 0 if fp8 else args.loss_chunk
-    compile_why = "compile=false"
     compile = args.compile and (cuda or cpp_compiler_found())
-    if args.compile and not compile:
-        compile_why = "no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX"
+    compile_line = ("on" if compile else "off (compile=false)" if not args.compile
+                    else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)")
     if not cuda:
         attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
-    elif args.compile:
+    elif compile:
         attention = "FlexAttention with block-sparse masks, compiled with the model"
     else:
         # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
@@ -1514,7 +1513,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
         f"attention: {attention}",
         "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
                              + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
-        f"compile: {'on' if compile else f'off ({compile_why})'}",
+        f"compile: {compile_line}",
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
         dtype_line or f"dtype: {args.dtype}",
         f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",

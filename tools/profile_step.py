@@ -6,6 +6,8 @@
 Options other than --top (rows to print, default 25) and --steps (profiled steps, default 2) are
 train_gpt.py's --key=value overrides. The steps run through train_gpt's own Trainer, on random tokens
 (the same work as real ones), after one unprofiled step that warms caches (and compiles, if on).
+A compiled model (the cpu preset's) shows each compiled graph as one row; --compile=false lists the
+operations inside them.
 """
 
 import sys
@@ -64,8 +66,8 @@ def main(argv=None) -> str:
         f"preset {preset}: {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens a step, "
         f"dtype {args.dtype}, compile {paths.compile}; {device.type}, {torch.get_num_threads()} threads",
         f"{own['steps']} profiled steps, {step_ms:.0f} ms a step (under the profiler); top {own['top']} operations by self time:",
-        *(line for line in paths.lines if line.startswith("glibc malloc tuning: off")),
         prof.key_averages().table(sort_by=sort_by, row_limit=own["top"]),
+        *(line for line in paths.lines if line.startswith("glibc malloc tuning: off")),  # steps run slower then
     ])
     print(report)
     return report
