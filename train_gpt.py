@@ -119,6 +119,19 @@ def peak_memory_line(device: torch.device) -> str:
     return f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
 
+PARALLEL_GRAIN = 32768  # at::internal::GRAIN_SIZE: the fewest elements torch gives each thread of an elementwise op
+
+
+def settle_vector_math():
+    """One elementwise exp on every CPU thread, before the run's first matmul.
+
+    MKL's vector math (torch.exp, cos, sin, tanh, log on CPU) is, in about one process in six, ~1e-4
+    off on a thread's first call if MKL's float32 matmul ran on that thread before (torch 2.13,
+    measured): the rotary tables, or the first loss, then differ from run to run. Called first,
+    every later call is exact."""
+    torch.ones(PARALLEL_GRAIN * torch.get_num_threads()).exp()
+
+
 # ------------------------------------------------------------------------------------------------
 # FP8 matmul as custom ops (used for the lm_head)
 #
@@ -1481,6 +1494,7 @@ class FastPaths:
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
     loss_chunk: int  # GPT.loss_chunk: args.loss_chunk, or 0 with the fp8 lm_head (which has its own op)
     compile: bool  # args.compile, unless inductor has no C++ compiler to build CPU kernels with
+    deterministic: bool  # torch's deterministic algorithms, so that a run repeats to the bit (CPU)
     lines: list[str]  # what the log says of each
 
 
@@ -1514,6 +1528,10 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
         "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
                              + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
         f"compile: {compile_line}",
+        # Inductor's CPU kernels add embedding gradients with atomics, in whatever order threads reach
+        # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
+        "deterministic algorithms: " + ("off (CUDA: the record's kernels)" if cuda else
+                                        "on (a CPU run repeats to the bit, compiled or not)"),
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
         dtype_line or f"dtype: {args.dtype}",
         f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
@@ -1522,7 +1540,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     if not cuda:
         malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
         lines.append(f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}")
-    return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, compile, lines)
+    return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, compile, not cuda, lines)
 
 
 def log_header(log: RunLog, source: str, args: Hyperparameters, preset: str, device: torch.device, world_size: int,
@@ -1549,6 +1567,9 @@ class Trainer:
 
     def __init__(self, args: Hyperparameters, rank: int, world_size: int, device: torch.device, paths: FastPaths):
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
+        if paths.deterministic:  # process-wide, and read when torch.compile builds kernels
+            torch.use_deterministic_algorithms(True)
+            torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
         self.model = build_model(args, max(args.seq_len, args.val_seq_len), paths.attention).to(device)
         for table in [self.model.embed, *self.model.value_embeds]:
@@ -1781,6 +1802,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     allocator = configure_cuda_allocator()  # before anything touches CUDA
     rank, world_size, device = setup_distributed()
+    settle_vector_math()  # before resolve_dtype and matmul_peak multiply on the CPU
     args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
     check_hyperparameters(args, world_size)
     args, dtype_line = resolve_dtype(args, device, world_size)
