@@ -119,17 +119,18 @@ def peak_memory_line(device: torch.device) -> str:
     return f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
 
-PARALLEL_GRAIN = 32768  # at::internal::GRAIN_SIZE: the fewest elements torch gives each thread of an elementwise op
+SETTLE_ELEMENTS_PER_THREAD = 32768  # more than any elementwise op's grain (exp's is 2048): at::parallel_for gives every thread a chunk
 
 
 def settle_vector_math():
     """One elementwise exp on every CPU thread, before the run's first matmul.
 
-    MKL's vector math (torch.exp, cos, sin, tanh, log on CPU) is, in about one process in six, ~1e-4
-    off on a thread's first call if MKL's float32 matmul ran on that thread before (torch 2.13,
-    measured): the rotary tables, or the first loss, then differ from run to run. Called first,
-    every later call is exact."""
-    torch.ones(PARALLEL_GRAIN * torch.get_num_threads()).exp()
+    On a thread that ran float32 matmuls, the first call into the MKL (2024.2, in torch 2.13) vector
+    math behind torch.exp, cos and sin on CPU came out up to 1.5e-4 off in some processes (measured
+    with 0.2 s of matmuls before it: 5 of 24 processes two at a time, 11 of 24 one at a time; 2 of 6
+    identical training runs ended elsewhere): the rotary tables then differed from run to run.
+    Calls after a thread's first one are accurate, so this makes that first one here."""
+    torch.ones(SETTLE_ELEMENTS_PER_THREAD * torch.get_num_threads()).exp()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1531,7 +1532,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
         # Inductor's CPU kernels add embedding gradients with atomics, in whatever order threads reach
         # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
         "deterministic algorithms: " + ("off (CUDA: the record's kernels)" if cuda else
-                                        "on (a CPU run repeats to the bit, compiled or not)"),
+                                        "on (a CPU run repeats to the bit at the same thread count, compiled or not)"),
         f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
         dtype_line or f"dtype: {args.dtype}",
         f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
@@ -1567,8 +1568,8 @@ class Trainer:
 
     def __init__(self, args: Hyperparameters, rank: int, world_size: int, device: torch.device, paths: FastPaths):
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
-        if paths.deterministic:  # process-wide, and read when torch.compile builds kernels
-            torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(paths.deterministic)  # process-wide; read when torch.compile builds kernels
+        if paths.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
         self.model = build_model(args, max(args.seq_len, args.val_seq_len), paths.attention).to(device)

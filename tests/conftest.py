@@ -2,8 +2,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def restore_deterministic_algorithms():
+    """A CPU Trainer switches torch's deterministic algorithms on for the whole process; each test
+    starts from, and leaves, the setting it found."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.utils.deterministic.fill_uninitialized_memory = before[1]
 
 # --- data/ ---------------------------------------------------------------------------------
 # The data scripts import their siblings by plain name, as when run as `python data/x.py`.

@@ -43,6 +43,7 @@ def main(argv=None) -> str:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     args, preset = train_gpt.parse_args(rest, "record" if device.type == "cuda" else "cpu")
     train_gpt.check_hyperparameters(args, 1)
+    train_gpt.settle_vector_math()  # as train_gpt.main() does, so the model is the one a run builds
     args, dtype_line = train_gpt.resolve_dtype(args, device, 1)
     paths = train_gpt.choose_fast_paths(args, device, "", dtype_line)
     trainer = train_gpt.Trainer(args, 0, 1, device, paths)
