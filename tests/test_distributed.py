@@ -2,8 +2,8 @@
 
 One process and two (or four) train the same model on the same tokens. The tiny runs switch on
 exact_grad_sum (off in the cpu preset), which sums micro-step gradients and all-reduces them in
-float64: exact for a few float32 terms, so the order of the sum (one process: g0 + g1 + g2 + g3; two ranks: (g0 + g1) +
-(g2 + g3)) does not change a bit. Every launch here runs one thread per process, so the runs agree
+float64: exact for a few float32 terms, so the order of the sum (one process: g0 + g1 + g2 + g3;
+two ranks: (g0 + g1) + (g2 + g3)) does not change a bit. Every launch here runs one thread per process, so the runs agree
 to the bit, with any number of micro-steps per rank; the issue's tolerances (val loss 1e-4,
 parameters 1e-5) are asserted, and bit-identity where exact_grad_sum is on. Runs that switch
 something off, record what the buckets do or inject a failure go through tests/dist_helpers.py,
@@ -89,7 +89,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 def train_args(tmp: Path, batch_slots: int, *extra, iterations=ITERATIONS, val_every=VAL_EVERY) -> list[str]:
     return [*TINY_RUN, "--exact_grad_sum=true", f"--batch_slots={batch_slots}", f"--num_iterations={iterations}",
-            f"--val_loss_every={val_every}", "--save_checkpoint", "--run_id=run", f"--log_dir={tmp / 'logs'}", f"--checkpoint_dir={tmp / 'ckpt'}", *extra]
+            f"--val_loss_every={val_every}", "--save_checkpoint", "--run_id=run", f"--log_dir={tmp / 'logs'}",
+            f"--checkpoint_dir={tmp / 'ckpt'}", *extra]
 
 
 def launch(tmp: Path, launcher: list, script: Path, args: list, mode: str | None = None, extra_env=None,

@@ -290,8 +290,17 @@ def test_compiled_training_on_cpu_matches_eager_and_repeats_to_the_bit(tiny_shar
     vector math before its first matmul (test_vector_math_is_accurate_after_float32_matmuls)."""
     torch.use_deterministic_algorithms(False)
     calls = []
+
+    def recorded(name):
+        original = getattr(train_gpt, name)
+
+        def call(*args):
+            calls.append(name)
+            return original(*args)
+        return call
+
     for name in ("settle_vector_math", "matmul_speed"):
-        monkeypatch.setattr(train_gpt, name, lambda *a, _f=getattr(train_gpt, name), _n=name: calls.append(_n) or _f(*a))
+        monkeypatch.setattr(train_gpt, name, recorded(name))
     common = ["--num_iterations=3", "--val_loss_every=3"]
     eager = run(tiny_shards, tmp_path, *common, run_id="eager")
     assert calls[:2] == ["settle_vector_math", "matmul_speed"]
@@ -299,7 +308,8 @@ def test_compiled_training_on_cpu_matches_eager_and_repeats_to_the_bit(tiny_shar
     assert torch.are_deterministic_algorithms_enabled()
     text = Path(compiled["log_path"]).read_text()
     assert "  compile: on" in text
-    assert "  deterministic algorithms: on (a CPU run repeats to the bit at the same thread count, compiled or not)" in text
+    assert ("  deterministic algorithms: on (a CPU run repeats to the bit at the same thread count, compiled or not)"
+            in text)
     again = run(tiny_shards, tmp_path, *common, "--compile=true", run_id="compiled-again")
     assert (again["train_losses"], again["val_losses"]) == (compiled["train_losses"], compiled["val_losses"])
     # Step 2's loss is the first to see an update, so it checks the compiled gradients (measured: equal
@@ -350,8 +360,8 @@ def test_vector_math_is_accurate_after_float32_matmuls():
     probe = VECTOR_MATH_PROBE.format(root=str(ROOT))
     errors = []
     for _ in range(8):
-        pair = [subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for _ in range(2)]
+        pair = [subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(2)]
         for p in pair:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err[-2000:]
