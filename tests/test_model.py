@@ -318,6 +318,23 @@ def test_chunked_loss_equals_the_whole_logits_loss(chunk):
         assert whole_error < 2e-5 and chunked_error < 2e-5, (chunked_error, whole_error)
 
 
+def test_compiled_chunked_loss_equals_the_whole_logits_loss():
+    """Compiled, ChunkedSoftcapLoss takes its exp2 form (fused by inductor); the same loss and
+    gradients as the unchunked float32 ones, within float32 rounding of the float64 truth."""
+    model = randomize_(tiny_gpt())
+    torch.manual_seed(2)
+    x = torch.randn(1, T, 32, requires_grad=True)
+    _, targets = documents(seed=3)
+    reference, _ = whole_logits_loss_and_grads(model, x, targets, torch.float32)
+    truth, true_grads = whole_logits_loss_and_grads(model, x, targets, torch.float64)
+    chunked = torch.compile(lambda xn, w: train_gpt.ChunkedSoftcapLoss.apply(xn, w, targets, 100), fullgraph=True)
+    loss = chunked(train_gpt.norm(x[0]), model.lm_head.weight)
+    grads = torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+    for got, true in zip(grads, true_grads):
+        assert (got.double() - true).abs().max().item() / true.abs().max().item() < 2e-5
+
+
 def test_model_with_chunked_loss_trains_the_same():
     """GPT.forward in training with loss_chunk set: the same loss and parameter gradients as without."""
     inputs, targets = documents()

@@ -387,6 +387,16 @@ def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
     # both figures are rounded to one decimal in the log
     assert mfu == pytest.approx(100 * achieved / peak_gflops, abs=100 * 0.05 / peak_gflops + 0.05)
     assert 0 < mfu < 100
+    # the rate without the first step: steps 2-3 over the train_time between step 1's line and the end
+    first_ms = float(re.search(r"^step:1/3 train_loss:\S+ train_time:(\d+)ms", text, re.MULTILINE)[1])
+    last_ms = float(re.search(r"^step:3/3 val_loss:\S+ train_time:(\d+)ms", text, re.MULTILINE)[1])
+    steady = re.search(r"^throughput after step 1 \(([\d.]+) s\): (\d+) tokens/s, ([\d.]+) GFLOP/s, MFU ([\d.]+)%$",
+                       text, re.MULTILINE)
+    assert steady, text[-2000:]
+    assert float(steady[1]) == pytest.approx(first_ms / 1000, abs=0.051)
+    tokens_per_step = 2 * 128  # TINY_RUN's batch_slots x seq_len
+    assert float(steady[2]) == pytest.approx(2 * tokens_per_step / ((last_ms - first_ms) / 1000), rel=0.05)
+    assert float(steady[4]) == pytest.approx(mfu * float(steady[2]) / float(line[1]), rel=0.02, abs=0.1)
 
 
 @pytest.mark.parametrize("speeds, expected", [({torch.bfloat16: 300e9, torch.float32: 100e9}, "bfloat16"),
