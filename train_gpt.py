@@ -713,9 +713,9 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
             s = (rows @ w.T).float().mul_(scale).sigmoid_()
             # Softcapped logits lie in (0, LOGIT_SOFTCAP), so exp cannot overflow and the log-sum-exp
             # needs no max pass: one exp serves the loss and the softmax. It is an exp2 because inductor
-            # on CPU stores any value made with exp that is read twice (here by the sum and by the
-            # gradient), a float32 copy of the chunk's logits to write and read back; an exp2 it
-            # recomputes in the gradient's pass (a cpu preset step 1.13 -> 0.96 s on 2 AVX-512 cores).
+            # on CPU stores any value made with exp, sigmoid or log that is read twice (as s is): for the
+            # softmax, read by the sum and by the gradient, a float32 copy of the chunk's logits to write
+            # and read back; an exp2 it recomputes (a cpu preset step 1.13 -> 0.96 s on 2 AVX-512 cores).
             softmax = torch.exp2(s * (LOGIT_SOFTCAP * LOG2E))
             sum_exp = softmax.sum(dim=-1)
             total += (sum_exp.log() - LOGIT_SOFTCAP * s.gather(1, t[:, None]).squeeze(1)).sum()
@@ -1699,7 +1699,7 @@ class TrainingClock:
     speedrun logs; without warm-up steps (the cpu preset) the first step compiles on the clock."""
     training_ms: float = 0.0
     timed_steps: int = 0
-    first_step_ms: float = 0.0  # the run's first step, compilation included when warmup_steps is 0
+    first_step_ms: float = 0.0  # step 1, which compiles (with compile on and no warm-up steps); 0 once resumed
 
 
 def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: RunLog, run_id: str,
@@ -1796,7 +1796,7 @@ def final_report(log: RunLog, trainer: Trainer, clock: TrainingClock, val_losses
     log(f"throughput: {throughput(clock.timed_steps, clock.training_ms)} of {world_size} x {peak_source}")
     if clock.timed_steps > 1 and clock.first_step_ms:
         # the training step's own rate, without the first step's compilation
-        log(f"throughput after step 1 ({clock.first_step_ms / 1000:.1f} s): "
+        log(f"throughput after step 1, which took {clock.first_step_ms / 1000:.1f} s: "
             f"{throughput(clock.timed_steps - 1, clock.training_ms - clock.first_step_ms)}")
     if trainer.buckets is not None:
         log(f"gradient buckets: {len(trainer.buckets.buckets)}, all-reduces per bucket {trainer.buckets.reductions} "
@@ -1856,7 +1856,7 @@ def main(argv: list[str] | None = None) -> dict:
         start_step, clock = 0, TrainingClock()
         if checkpoint is not None:
             start_step, saved_clock = restore_checkpoint(checkpoint, trainer.model, trainer.optimizers, stream)
-            clock = TrainingClock(**saved_clock)
+            clock = TrainingClock(**{**saved_clock, "first_step_ms": 0.0})  # this process compiles again, later
             del checkpoint
             log(f"resumed from {resume_from} at step {start_step}" + (f"; continues the log {continues}" if continues else ""))
         if args.warmup_steps:
