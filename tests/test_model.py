@@ -296,11 +296,12 @@ def whole_logits_loss_and_grads(model, x, targets, dtype):
     return loss, torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
 
 
-@pytest.mark.parametrize("chunk", [7, 100, 512, 4096])
-def test_chunked_loss_equals_the_whole_logits_loss(chunk):
+@pytest.mark.parametrize("chunk, compiled", [(7, False), (100, False), (512, False), (4096, False), (100, True)])
+def test_chunked_loss_equals_the_whole_logits_loss(chunk, compiled):
     """ChunkedSoftcapLoss against softcapped_logits + F.cross_entropy on the whole sequence, for chunks
-    that divide T, that do not (7, 100), and that exceed it: the same loss, and gradients for x and the
-    lm_head within float32 rounding of the float64 truth, as the unchunked float32 ones are: a gradient
+    that divide T, that do not (7, 100), and that exceed it, eager and compiled (which makes the
+    gradient out of place, for inductor to fuse): the same loss, and gradients for x and the lm_head
+    within float32 rounding of the float64 truth, as the unchunked float32 ones are: a gradient
     sums 50304 vocabulary terms that nearly cancel, and a BLAS kernel for few rows (chunk 7) sums them
     less carefully, ~1e-5 of the gradient's scale (1e-6 for the whole matmul)."""
     model = randomize_(tiny_gpt())
@@ -309,30 +310,16 @@ def test_chunked_loss_equals_the_whole_logits_loss(chunk):
     _, targets = documents(seed=3)
     reference, ref_grads = whole_logits_loss_and_grads(model, x, targets, torch.float32)
     truth, true_grads = whole_logits_loss_and_grads(model, x, targets, torch.float64)
-    loss = train_gpt.ChunkedSoftcapLoss.apply(train_gpt.norm(x[0]), model.lm_head.weight, targets, chunk)
+    chunked_loss = train_gpt.ChunkedSoftcapLoss.apply
+    if compiled:
+        chunked_loss = torch.compile(chunked_loss, fullgraph=True)
+    loss = chunked_loss(train_gpt.norm(x[0]), model.lm_head.weight, targets, chunk)
     grads = torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
     torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
     for got, want, true in zip(grads, ref_grads, true_grads):
         scale = true.abs().max().item()
         chunked_error, whole_error = ((g.double() - true).abs().max().item() / scale for g in (got, want))
         assert whole_error < 2e-5 and chunked_error < 2e-5, (chunked_error, whole_error)
-
-
-def test_compiled_chunked_loss_equals_the_whole_logits_loss():
-    """Compiled, ChunkedSoftcapLoss makes its gradient out of place (so that inductor fuses it): the
-    same loss as the unchunked float32 one, and gradients within float32 rounding of the float64 truth."""
-    model = randomize_(tiny_gpt())
-    torch.manual_seed(2)
-    x = torch.randn(1, T, 32, requires_grad=True)
-    _, targets = documents(seed=3)
-    reference, _ = whole_logits_loss_and_grads(model, x, targets, torch.float32)
-    _, true_grads = whole_logits_loss_and_grads(model, x, targets, torch.float64)
-    chunked = torch.compile(lambda xn, w: train_gpt.ChunkedSoftcapLoss.apply(xn, w, targets, 100), fullgraph=True)
-    loss = chunked(train_gpt.norm(x[0]), model.lm_head.weight)
-    grads = torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
-    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
-    for got, true in zip(grads, true_grads):
-        assert (got.double() - true).abs().max().item() / true.abs().max().item() < 2e-5
 
 
 def test_model_with_chunked_loss_trains_the_same():
