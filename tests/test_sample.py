@@ -1,6 +1,7 @@
 """Generation (tools/sample.py and GPT.next_token_logits): the KV cache against the full forward,
 sampling, the chunked validation loss, and the tool's handling of bad checkpoints."""
 
+import copy
 import math
 import os
 import subprocess
@@ -132,6 +133,22 @@ def test_compiled_generation_gives_the_eager_tokens(randomized_gpt, backend):
         del model.trunk, model.softcapped_logits  # back to the class's eager methods
     assert compiled == eager
     assert len(set(eager)) > 20
+
+
+def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomized_gpt):
+    """sample.in_dtype(bfloat16) against the training layout (bfloat16 embeddings, float32 weights that
+    the forward casts at every call): the same logits to the bit, token after token through the cache."""
+    training_layout = copy.deepcopy(randomized_gpt)
+    for table in [training_layout.embed, *training_layout.value_embeds]:
+        table.to(torch.bfloat16)
+    cast_once = sample.in_dtype(copy.deepcopy(randomized_gpt), torch.bfloat16)
+    assert cast_once.lm_head.weight.dtype == torch.bfloat16 and cast_once.scalars.dtype == torch.float32
+    caches = [train_gpt.KVCache(4), train_gpt.KVCache(4)]
+    with torch.no_grad():
+        for tokens in ([EOT, *range(100, 150)], [7], [8], [EOT], [9]):
+            tokens = torch.tensor(tokens)
+            logits = [model.next_token_logits(tokens, 2, cache) for model, cache in zip((training_layout, cast_once), caches)]
+            assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])

@@ -34,8 +34,7 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
         for name, p in model.named_parameters():
             if name.endswith("c_proj.weight") or name == "lm_head.weight":
                 p.normal_(0, 0.5 * p.size(1) ** -0.5)
-    for table in [model.embed, *model.value_embeds]:
-        table.to(train_gpt.DTYPES[dtype or args.dtype])
+    model = sample.in_dtype(model, train_gpt.DTYPES[dtype or args.dtype])
     return sample.generation_layout(model.to(device).eval()), train_gpt.window_blocks(args.num_iterations, args)
 
 

@@ -32,9 +32,9 @@ EOT = train_gpt.EOT_TOKEN
 
 def load_model(path, device: torch.device, min_seq_len: int = 0,
                dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
-    """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, its
-    embeddings (hence activations) in dtype, by default the one it trained in; and the long window
-    (in blocks) it had at the checkpoint's step. A file that does not hold such a model raises a
+    """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, in
+    dtype (in_dtype), by default the one it trained in; and the long window (in blocks) it had at the
+    checkpoint's step. A file that does not hold such a model raises a
     one-line ConfigError naming it."""
     path = Path(path)
     state = train_gpt.read_checkpoint(path)
@@ -53,10 +53,19 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
         raise train_gpt.ConfigError(f"{path}: the weights do not fit the model its hyperparameters describe "
                                     f"({len(differences)} differ, first {differences[0]}); the file was altered "
                                     f"or made by another version of train_gpt.py")
-    for table in [model.embed, *model.value_embeds]:
-        table.to(train_gpt.DTYPES[dtype or args.dtype])
     model.load_state_dict(state["model"])
+    model = in_dtype(model, train_gpt.DTYPES[dtype or args.dtype])
     return generation_layout(model.to(device).eval()), train_gpt.window_blocks(state["step"], args)
+
+
+def in_dtype(model: train_gpt.GPT, dtype: torch.dtype) -> train_gpt.GPT:
+    """The embeddings in dtype, hence the activations, as in training; and the weight matrices too,
+    which the forward casts to the activations' dtype at every call (in bfloat16, a copy of every
+    matrix per generated token): cast once, they hold the same values. Scalars stay float32."""
+    for p in model.parameters():
+        if p.ndim >= 2:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def generation_layout(model: train_gpt.GPT) -> train_gpt.GPT:
