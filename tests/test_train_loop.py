@@ -398,7 +398,8 @@ def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
                        r"MFU ([\d.]+)%$", text, re.MULTILINE)
     assert steady, text[-2000:]
     assert float(steady[1]) == pytest.approx(first_ms / 1000, abs=0.051)
-    tokens_per_step = 2 * 128  # TINY_RUN's batch_slots x seq_len
+    tokens_per_step = math.prod(int(re.search(rf"^  {key}: (\d+)$", text, re.MULTILINE)[1])
+                                for key in ("batch_slots", "seq_len"))  # as the run logged them
     # in ms, where both train_times are rounded: the steps take tens of ms here
     assert 1000 * 2 * tokens_per_step / float(steady[2]) == pytest.approx(last_ms - first_ms, abs=1.01)
     assert float(steady[4]) == pytest.approx(mfu * float(steady[2]) / float(line[1]), rel=0.02, abs=0.1)
