@@ -301,12 +301,21 @@ def test_submit_then_list(runs, tmp_path, capsys):
     assert "records/track_cpu/2024-05-20_Tiny_run-1`: train_gpt.py, 1 insertion(s)(+), 1 deletion(s)(-)" in later
     capsys.readouterr()
 
+    # A record of the same date submitted later is the newer one, whatever the names' order.
+    assert records.main(["submit", str(p["base"]), "--track", "track_cpu", "--name", "Aardvark",
+                         "--date", "2024-06-01", "--records-dir", str(recs)]) == 0
+    same_day = (recs / "track_cpu" / "2024-06-01_Aardvark" / "README.md").read_text()
+    assert "Source diff against the previous record, `records/track_cpu/2024-06-01_Edited`" in same_day
+    assert re.search(r"^- submitted: \d{4}-\d{2}-\d{2}T", same_day, re.MULTILINE)
+    capsys.readouterr()
+
     assert records.main(["list", "--records-dir", str(recs)]) == 0
     out = capsys.readouterr().out
     assert "track_1_short" in out and "(no records yet)" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d{4}-\d{2}-\d{2}\s", line)]
-    assert [row[:2] for row in rows] == [["2024-06-01", "Edited"], ["2024-05-20", "Tiny_run-1"]]  # newest first
-    assert rows[1][4] == f"{np.mean(losses):.4f}" and rows[1][5] == "3" and rows[1][6] == f"{pvalue:.4g}"
+    assert [row[:2] for row in rows] == [["2024-06-01", "Aardvark"], ["2024-06-01", "Edited"],
+                                         ["2024-05-20", "Tiny_run-1"]]  # newest first
+    assert rows[2][4] == f"{np.mean(losses):.4f}" and rows[2][5] == "3" and rows[2][6] == f"{pvalue:.4g}"
 
     # stats takes the target from the records/<track>/ path; diff takes a folder's first log.
     assert records.main(["stats", str(folder)]) == 0

@@ -438,12 +438,29 @@ def records_dir(args) -> Path:
     return Path(getattr(args, "records_dir", None) or os.environ.get("RECORDS_DIR") or DEFAULT_RECORDS_DIR)
 
 
+SUBMITTED_RE = re.compile(r"^- submitted: (\S+)$", re.MULTILINE)
+NOT_SUBMITTED = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)  # a README that gives no time
+
+
+def submitted_at(folder: Path) -> datetime.datetime:
+    """When the record was submitted, as its README says (ISO 8601); NOT_SUBMITTED where it does not."""
+    try:
+        match = SUBMITTED_RE.search((folder / "README.md").read_text(encoding="utf-8"))
+        if not match:
+            return NOT_SUBMITTED
+        when = datetime.datetime.fromisoformat(match[1])
+        return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return NOT_SUBMITTED
+
+
 def record_folders(track_dir: Path) -> list[Path]:
-    """Record folders of a track, newest first (date, then name)."""
+    """Record folders of a track, newest first: by date, then (records of one date) by submission
+    time, then by name."""
     if not track_dir.is_dir():
         return []
     folders = [p for p in track_dir.iterdir() if p.is_dir() and RECORD_DIR_RE.fullmatch(p.name)]
-    return sorted(folders, key=lambda p: p.name, reverse=True)
+    return sorted(folders, key=lambda p: (RECORD_DIR_RE.fullmatch(p.name)[1], submitted_at(p), p.name), reverse=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -633,7 +650,10 @@ def diff_stat(old: str, new: str) -> tuple[int, int, int]:
 
 
 def previous_record_note(track_dir: Path, folder_name: str, source: str) -> str:
-    older = [p for p in record_folders(track_dir) if p.name < folder_name]
+    """The diff line against the newest record of the same date or earlier (a record submitted now
+    is the newest of its date)."""
+    date = RECORD_DIR_RE.fullmatch(folder_name)[1]
+    older = [p for p in record_folders(track_dir) if RECORD_DIR_RE.fullmatch(p.name)[1] <= date]
     if not older:
         return "This is the first record of this track."
     prev = older[0]
@@ -653,7 +673,7 @@ def previous_record_note(track_dir: Path, folder_name: str, source: str) -> str:
             f"`python tools/records.py diff {rel} records/{track_dir.name}/{folder_name}` shows it.")
 
 
-def readme_text(track_name: str, name: str, date: str, logs: list[Log], prev_note: str) -> str:
+def readme_text(track_name: str, name: str, date: str, logs: list[Log], prev_note: str, submitted: str) -> str:
     track = TRACKS[track_name]
     s = summarize(logs, track.target)
     meets = s.p_value is not None and s.p_value < P_THRESHOLD and s.mean < track.target
@@ -673,6 +693,7 @@ def readme_text(track_name: str, name: str, date: str, logs: list[Log], prev_not
               f"- mean training time: {fmt_seconds(s.mean_time_ms)}"
               + (f" ({s.mean_time_ms:.0f}ms)" if s.mean_time_ms is not None else ""),
               f"- meets the rule (mean below {track.target:g} with p < {P_THRESHOLD}): {'yes' if meets else 'no'}",
+              f"- submitted: {submitted}",
               "", "## Hardware and software (as logged)", "", "```", *(logs[0].header or ["(not logged)"]), "```"]
     if any(log.header != logs[0].header for log in logs[1:]):
         lines += ["", "(as logged by the first run; the other logs' environment lines differ, see the logs)"]
@@ -722,7 +743,9 @@ def cmd_submit(args) -> int:
     if folder.exists():
         raise RecordsError(f"{folder} exists; pick another --name or --date")
 
-    readme = readme_text(args.track, args.name, date, logs, previous_record_note(track_dir, folder.name, logs[0].source))
+    submitted = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")  # orders records of one date
+    readme = readme_text(args.track, args.name, date, logs, previous_record_note(track_dir, folder.name, logs[0].source),
+                         submitted)
     track_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".submit-{folder.name}.", dir=track_dir))
     try:
