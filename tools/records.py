@@ -438,7 +438,7 @@ def records_dir(args) -> Path:
     return Path(getattr(args, "records_dir", None) or os.environ.get("RECORDS_DIR") or DEFAULT_RECORDS_DIR)
 
 
-SUBMITTED_RE = re.compile(r"^- submitted: (\S+)$", re.MULTILINE)
+SUBMITTED_RE = re.compile(r"^- submitted:[ \t]*(\S.*?)[ \t]*$", re.MULTILINE)
 NOT_SUBMITTED = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)  # a README that gives no time
 
 
