@@ -300,10 +300,10 @@ def whole_logits_loss_and_grads(model, x, targets, dtype):
 def test_chunked_loss_equals_the_whole_logits_loss(chunk, compiled):
     """ChunkedSoftcapLoss against softcapped_logits + F.cross_entropy on the whole sequence, for chunks
     that divide T, that do not (7, 100), and that exceed it, eager and compiled (inductor fuses the
-    pass over the logits and writes the target entries apart): the same loss, and gradients for x and the lm_head
-    within float32 rounding of the float64 truth, as the unchunked float32 ones are: a gradient
-    sums 50304 vocabulary terms that nearly cancel, and a BLAS kernel for few rows (chunk 7) sums them
-    less carefully, ~1e-5 of the gradient's scale (1e-6 for the whole matmul)."""
+    pass over the logits and writes the target entries apart): the same loss, and gradients for x and
+    the lm_head within float32 rounding of the float64 truth, as the unchunked float32 ones are: a
+    gradient sums 50304 vocabulary terms that nearly cancel, and a BLAS kernel for few rows (chunk 7)
+    sums them less carefully, ~1e-5 of the gradient's scale (1e-6 for the whole matmul)."""
     model = randomize_(tiny_gpt())
     torch.manual_seed(2)
     x = torch.randn(1, T, 32, requires_grad=True)

@@ -454,13 +454,18 @@ def submitted_at(folder: Path) -> datetime.datetime:
         return NOT_SUBMITTED
 
 
+def record_date(folder_name: str) -> str:
+    """YYYY-MM-DD of a record folder's name."""
+    return RECORD_DIR_RE.fullmatch(folder_name)[1]
+
+
 def record_folders(track_dir: Path) -> list[Path]:
     """Record folders of a track, newest first: by date, then (records of one date) by submission
     time, then by name."""
     if not track_dir.is_dir():
         return []
     folders = [p for p in track_dir.iterdir() if p.is_dir() and RECORD_DIR_RE.fullmatch(p.name)]
-    return sorted(folders, key=lambda p: (RECORD_DIR_RE.fullmatch(p.name)[1], submitted_at(p), p.name), reverse=True)
+    return sorted(folders, key=lambda p: (record_date(p.name), submitted_at(p), p.name), reverse=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -652,8 +657,7 @@ def diff_stat(old: str, new: str) -> tuple[int, int, int]:
 def previous_record_note(track_dir: Path, folder_name: str, source: str) -> str:
     """The diff line against the newest record of the same date or earlier (a record submitted now
     is the newest of its date)."""
-    date = RECORD_DIR_RE.fullmatch(folder_name)[1]
-    older = [p for p in record_folders(track_dir) if RECORD_DIR_RE.fullmatch(p.name)[1] <= date]
+    older = [p for p in record_folders(track_dir) if record_date(p.name) <= record_date(folder_name)]
     if not older:
         return "This is the first record of this track."
     prev = older[0]
