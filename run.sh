@@ -6,21 +6,23 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
-# True when $1 imports every dependency at the versions requirements.txt pins with ==.
+# Prints the number of CUDA GPUs when $1 has every dependency at the version requirements.txt pins
+# with == and imports torch; fails otherwise. One interpreter start: importing torch takes seconds.
 deps_ok() {
-  "$1" - <<'PY' >/dev/null 2>&1
+  "$1" - <<'PY' 2>/dev/null
 import importlib.metadata, re, sys
-import torch, numpy, tiktoken, huggingface_hub, scipy, matplotlib, pytest
 for line in open("requirements.txt"):
     pin = re.match(r"\s*([A-Za-z0-9_.-]+)==([^\s#]+)", line)
     if pin and importlib.metadata.version(pin[1]).split("+")[0] != pin[2]:
         sys.exit(1)
+import torch
+print(torch.cuda.device_count())
 PY
 }
 
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-if ! deps_ok "$PY"; then
+if ! gpus=$(deps_ok "$PY"); then
   if [ ! -x .venv/bin/python ]; then
     echo "run.sh: creating .venv and installing requirements.txt" >&2
     python3 -m venv .venv
@@ -29,7 +31,7 @@ if ! deps_ok "$PY"; then
   fi
   PY=.venv/bin/python
   "$PY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-  deps_ok "$PY" || { echo "run.sh: the requirements still do not import in .venv; see the pip output above" >&2; exit 1; }
+  gpus=$(deps_ok "$PY") || { echo "run.sh: the requirements still do not import in .venv; see the pip output above" >&2; exit 1; }
 fi
 
 if [ "${1:-}" = "test" ]; then
@@ -37,7 +39,6 @@ if [ "${1:-}" = "test" ]; then
   exec "$PY" -m pytest tests "$@"
 fi
 
-gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -gt 0 ]; then
   # The record preset reads about 700M training tokens: 8 shards of 100M, plus the validation shard.
   "$PY" data/cached_fineweb10B.py 8

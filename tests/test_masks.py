@@ -167,3 +167,25 @@ def test_eager_flex_ignores_the_window():
     unwindowed = reference_attention(q, k, v, document_causal(tokens))
     assert (eager - windowed).abs().max() > 1e-2
     torch.testing.assert_close(eager, unwindowed, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("queries", [slice(0, 640), slice(64, 640), slice(639, 640)])
+def test_attend_in_query_blocks_matches_the_reference(queries):
+    """attend() runs dense-mask SDPA SDPA_QUERY_BLOCK queries at a time against the keys up to each
+    block's last query: outputs and gradients equal float64 attention over the reference mask, for all
+    640 positions (three blocks, the last part-full), for the last 576 against all keys (as a KV
+    cache's new positions: three blocks after 64 cached keys) and for the last one alone."""
+    assert train_gpt.SDPA_QUERY_BLOCK == 256
+    tokens = make_tokens("many", 640, 5)
+    torch.manual_seed(5)
+    q = torch.randn(1, 2, 640, 32)[:, :, queries].requires_grad_()
+    k, v = (torch.randn(1, 2, 640, 32, requires_grad=True) for _ in range(2))
+    probe = torch.randn(1, 2, q.size(2), 32)
+    for mask, window in zip(train_gpt.attention_masks(tokens, 3, "sdpa", queries), (3, 1)):
+        out = train_gpt.attend(q, k, v, mask, SCALE)
+        reference = reference_attention(q, k, v, reference_mask(tokens, window)[queries])
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+        grads = torch.autograd.grad((out * probe).sum(), (q, k, v))
+        reference_grads = torch.autograd.grad((reference * probe).sum(), (q, k, v))
+        for grad, reference_grad in zip(grads, reference_grads):
+            torch.testing.assert_close(grad, reference_grad, atol=1e-5, rtol=0)

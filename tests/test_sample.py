@@ -225,13 +225,25 @@ def test_chunked_validation_loss_equals_the_unchunked_one(randomized_gpt, valida
     over all logits, with no logits tensor larger than a chunk."""
     inputs, targets, unchunked = validation_case
     monkeypatch.setattr(train_gpt, "EVAL_LOSS_CHUNK", chunk)
-    rows = []
-    hook = randomized_gpt.lm_head.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
-    with torch.no_grad():
+    with torch.no_grad(), LogitsRows(randomized_gpt.lm_head.out_features) as rows:
         chunked = randomized_gpt(inputs, targets, 2).item()
-    hook.remove()
     assert chunked == pytest.approx(unchunked, rel=1e-6, abs=0)
     assert rows == [chunk] * (512 // chunk) + ([512 % chunk] if 512 % chunk else [])
+
+
+class LogitsRows(torch.overrides.TorchFunctionMode, list):
+    """The row counts of the vocabulary-wide matmul results made inside the block, in order: one
+    per logits chunk."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, F.linear) and out.size(-1) == self.vocab:
+            self.append(out.shape[0])
+        return out
 
 
 def test_prompt_starts_a_document(gpt2_encoding):
