@@ -519,7 +519,8 @@ def attention_masks(tokens: Tensor, window_blocks, backend: str, queries: slice 
     return build(window_blocks), build(torch.clamp_min(window_blocks // 2, 1))
 
 
-# Dense-mask attention runs this many queries at a time, each block against the keys up to its last query.
+# Dense-mask attention runs this many queries at a time, each block against the keys up to its last
+# query: at 1024 positions blocks of 128 took as long as 256 (more, smaller SDPA calls).
 SDPA_QUERY_BLOCK = 256
 
 
@@ -758,6 +759,16 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         grad_xn, grad_w = ctx.saved_tensors
         return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None
 
+    @classmethod
+    def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        """apply(), making gradients only where autograd can use them: needs_input_grad follows
+        requires_grad whatever the grad mode, so under no_grad the inputs go in detached (validation:
+        one sigmoid and one exp2 a logit, a cpu preset sequence 166 -> 138 ms on 2 AVX2 cores against
+        softcapped_logits and F.cross_entropy)."""
+        if not torch.is_grad_enabled():
+            xn, w = xn.detach(), w.detach()
+        return cls.apply(xn, w, targets, chunk)
+
 
 class GPT(nn.Module):
     """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
@@ -798,13 +809,8 @@ class GPT(nn.Module):
         if self.training and not self.loss_chunk:
             logits = self.softcapped_logits(x)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
-        xn, w = norm(x[0]), self.lm_head.weight.type_as(x)
-        if not torch.is_grad_enabled():
-            # ChunkedSoftcapLoss makes the gradients of inputs that require them, whatever the grad mode:
-            # validation, detached, costs one sigmoid and one exp2 a logit (a sequence of the cpu preset
-            # 166 -> 138 ms on 2 AVX2 cores, against softcapped_logits and F.cross_entropy).
-            xn, w = xn.detach(), w.detach()
-        loss = ChunkedSoftcapLoss.apply(xn, w, target_seq, self.loss_chunk if self.training else EVAL_LOSS_CHUNK)
+        loss = ChunkedSoftcapLoss.loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq,
+                                       self.loss_chunk if self.training else EVAL_LOSS_CHUNK)
         return loss if self.training else loss / target_seq.numel()
 
     def trunk(self, tokens: Tensor, masks: tuple, cache: KVCache | None = None) -> Tensor:
