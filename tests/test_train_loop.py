@@ -33,6 +33,9 @@ def test_a_few_steps_learn(tiny_shards, tmp_path):
     assert train[8] < train[1] - 1.0
     assert val[8] < val[0] - 1.0
     assert result["unigram_entropy"] < val[0]
+    timed = re.search(r"^validation, off the training clock: (\d+) x ([\d,]+) tokens in ([\d.]+) s$",
+                      Path(result["log_path"]).read_text(), re.M)
+    assert timed and int(timed[1]) == len(val) == 2 and timed[2] == "1,024"
 
 
 def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp_path, monkeypatch):
