@@ -1147,7 +1147,7 @@ PRESETS = {
         batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024 (records/track_cpu)
         num_iterations=260,  # 532K tokens: 5.207 at seed 0, where 85 steps of 8 x 1024 (696K) reached 5.214
         cooldown_frac=1.0,  # lr decays from the first step: -0.055 +- 0.019 against 0.6 over 3 paired seeds (0.7-0.9 gain less)
-        val_loss_every=0,  # a validation costs 20-50 s on 2 cores (as much as 60-100 steps): only at the end
+        val_loss_every=0,  # a validation costs 20-60 s on 2 cores (as much as 50-80 steps): only at the end
         train_loss_every=1,
         window_tokens=1024,
         num_layers=4,
@@ -1161,7 +1161,7 @@ PRESETS = {
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively; CPUs that emulate it (AVX2) are ~100x slower in bf16
         exact_grad_sum=False,  # ~8% of a step here; tests comparing world sizes switch it on
-        compile=True,  # 0.95-1.05 instead of 1.9 s a step on 2 AMX cores, for ~30 s of compile (~6 s cached)
+        compile=True,  # 0.95-1.05 instead of 1.9 s per 8 x 1024 tokens on 2 AMX cores, for ~30 s of compile (~6 s cached)
         warmup_steps=0,
     ),
 }
