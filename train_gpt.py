@@ -1725,7 +1725,8 @@ class Trainer:
 @dataclass
 class TrainingClock:
     """Training time excludes validation, checkpoints and the warm-up steps (which compile), as in the
-    speedrun logs; without warm-up steps (the cpu preset) the first step compiles on the clock."""
+    speedrun logs; without warm-up steps (the cpu preset) the first step compiles on the clock. Validation
+    is timed apart, for the final report."""
     training_ms: float = 0.0
     timed_steps: int = 0
     first_step_ms: float = 0.0  # step 1, which compiles (with compile on and no warm-up steps); 0 once resumed
