@@ -58,8 +58,9 @@ def cycle_shards(folder):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained 6 steps with
-    windows of 2 blocks (long) and 1 (short) at the end; returns (checkpoint path, successor table)."""
+    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained 6 steps, with the
+    record's Adam lrs (the cpu preset's half learn this toy cycle too slowly for 6 steps) and windows
+    of 2 blocks (long) and 1 (short) at the end; returns (checkpoint path, successor table)."""
     folder = tmp_path_factory.mktemp("cycle")
     successor = cycle_shards(folder)
     threads = torch.get_num_threads()
@@ -67,7 +68,8 @@ def trained(tmp_path_factory):
     result = train_gpt.main([
         "--preset=cpu", "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--num_iterations=6",
-        "--window_tokens=256", "--cooldown_frac=0.6", "--save_checkpoint", f"--train_files={folder}/cycle_train_*.bin",
+        "--window_tokens=256", "--cooldown_frac=0.6", "--head_lr=0.22", "--embed_lr=0.6", "--scalar_lr=0.04",
+        "--save_checkpoint", f"--train_files={folder}/cycle_train_*.bin",
         f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
         "--run_id=cycle"])
     torch.set_num_threads(threads)
