@@ -56,6 +56,10 @@ def cycle_shards(folder):
     return successor
 
 
+RECORD_ADAM_LRS = [f"--{name}={getattr(train_gpt.Hyperparameters, name)}"  # the defaults, i.e. the record's
+                   for name in ("head_lr", "embed_lr", "scalar_lr")]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained 6 steps, with the
@@ -68,8 +72,8 @@ def trained(tmp_path_factory):
     result = train_gpt.main([
         "--preset=cpu", "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--num_iterations=6",
-        "--window_tokens=256", "--cooldown_frac=0.6", "--head_lr=0.22", "--embed_lr=0.6", "--scalar_lr=0.04",
-        "--save_checkpoint", f"--train_files={folder}/cycle_train_*.bin",
+        "--window_tokens=256", "--cooldown_frac=0.6", *RECORD_ADAM_LRS, "--save_checkpoint",
+        f"--train_files={folder}/cycle_train_*.bin",
         f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
         "--run_id=cycle"])
     torch.set_num_threads(threads)
