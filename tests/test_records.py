@@ -69,7 +69,8 @@ def runs(tmp_path_factory):
     driver = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport train_gpt\n"
               "for argv in json.loads(sys.argv[2]):\n    train_gpt.main(argv)\n")
     argvs = [[*TINY, *extra, *data, f"--run_id={run_id}"] for run_id, extra in plan.items()]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="68719476736")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="68719476736",
+               THP_MEM_ALLOC_ENABLE="1")
     commands = {"current": [sys.executable, "-c", driver, str(ROOT), json.dumps(argvs)],
                 "edited": [sys.executable, str(edited_dir / "train_gpt.py"), *TINY, "--seed=0", "--num_iterations=3",
                            *data, "--run_id=edited"]}
@@ -286,6 +287,10 @@ def test_submit_then_list(runs, tmp_path, capsys):
     assert f"mean final val loss: {np.mean(losses):.4f}" in readme
     assert f"{pvalue:.4g}" in readme
     assert "--preset cpu" in readme and "--num_layers=2" in readme and "--run_id" not in readme
+    # the command carries the memory settings the logs say the runs had (./run.sh's)
+    huge_pages = "  huge pages: on" in p["base"].read_text()
+    settings = "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736" + (" THP_MEM_ALLOC_ENABLE=1" if huge_pages else "")
+    assert f"\n{settings} python train_gpt.py --preset cpu " in readme
     assert "`--seed`: 0, 1, 2" in readme and "`--num_iterations`: 3, 4, 3" in readme
     assert "hardware: 1x CPU" in readme  # the hardware line
     assert sorted(x.name for x in (recs / "track_cpu").iterdir()) == [folder.name]  # no temporary folder left

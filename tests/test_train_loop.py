@@ -267,6 +267,42 @@ def test_allocator_setting_is_made_unless_the_user_made_one():
         assert environ == {name: "max_split_size_mb:128"}
 
 
+def test_huge_pages_line_names_the_setting_and_the_kernel_mode(tmp_path):
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    on = {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert (train_gpt.huge_pages_line(on, mode)
+            == "huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode madvise)")
+    assert (train_gpt.huge_pages_line({}, mode)
+            == "huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set; ./run.sh sets it; kernel mode madvise)")
+    mode.write_text("always madvise [never]\n")
+    assert train_gpt.huge_pages_line(on, mode) == "huge pages: off (the kernel's transparent huge pages are set to never)"
+    assert train_gpt.huge_pages_line(on, tmp_path / "absent").endswith("(THP_MEM_ALLOC_ENABLE=1; kernel mode unknown)")
+
+
+HUGE_PAGE_PROBE = ("import sys, torch\nsys.path.insert(0, sys.argv[1])\nimport train_gpt\n"
+                   "before = train_gpt.huge_page_kib()\nx = torch.ones(2**25)\nprint(train_gpt.huge_page_kib() - before)")
+
+
+@pytest.mark.skipif(not train_gpt.THP_MODE_FILE.exists() or "[never]" in train_gpt.THP_MODE_FILE.read_text(),
+                    reason="this kernel has no transparent huge pages to give")
+def test_torch_takes_huge_pages_for_large_tensors_when_asked():
+    """THP_MEM_ALLOC_ENABLE=1, the setting ./run.sh makes, is the name this torch's allocator reads: a
+    128 MB tensor then lies mostly in 2 MB pages, as smaps reports them; without it (kernel mode
+    madvise), in none."""
+    def grown_kib(huge_pages: bool) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        if huge_pages:
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+        out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE, str(ROOT)], env=env,
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[-1])
+
+    assert grown_kib(True) >= 64 * 1024
+    if "[madvise]" in train_gpt.THP_MODE_FILE.read_text():
+        assert grown_kib(False) < 2 * 1024
+
+
 def test_fast_paths_on_cuda_say_how_attention_fits(monkeypatch):
     """Without compile, CUDA attention still goes through FlexAttention's compiled kernel, and says so.
     (Only the capability query is replaced: nothing else in choose_fast_paths touches the GPU.)"""

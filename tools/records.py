@@ -92,7 +92,7 @@ class Log:
     hparams: dict[str, str]  # name -> the logged repr
     vals: list[ValPoint]
     world_size: int | None
-    malloc_tuned: bool | None
+    cpu_env: list[str]  # the memory settings the log says a CPU run had, as NAME=VALUE (./run.sh's)
     resumed: bool
 
     @property
@@ -163,7 +163,7 @@ def parse_log(path: Path) -> Log:
             hparam_lines.append(line)
             hparams[m.group(1)] = m.group(2)
 
-    vals, world_size, malloc_tuned, resumed = [], None, None, False
+    vals, world_size, cpu_env, resumed = [], None, [], False
     for line in body:
         m = STEP_RE.match(line)
         if m:
@@ -176,11 +176,13 @@ def parse_log(path: Path) -> Log:
         if line.startswith("distributed: "):
             ws = WORLD_SIZE_RE.match(line)
             world_size = int(ws.group(1)) if ws else world_size
-        elif line.startswith("  glibc malloc tuning: "):
-            malloc_tuned = line.split(": ", 1)[1].startswith("on")
+        elif line.startswith("  glibc malloc tuning: on"):
+            cpu_env += ["MALLOC_MMAP_MAX_=0", "MALLOC_TRIM_THRESHOLD_=68719476736"]
+        elif line.startswith("  huge pages: on"):
+            cpu_env.append("THP_MEM_ALLOC_ENABLE=1")
         elif line.startswith("resumed from "):
             resumed = True
-    return Log(path, source, header, preset, hparam_lines, hparams, vals, world_size, malloc_tuned, resumed)
+    return Log(path, source, header, preset, hparam_lines, hparams, vals, world_size, cpu_env, resumed)
 
 
 def parse_loss(text: str) -> float:
@@ -398,8 +400,8 @@ def command_lines(logs: list[Log]) -> list[str]:
     launcher = "python train_gpt.py"
     if first.world_size and first.world_size > 1:
         launcher = f"torchrun --standalone --nproc_per_node={first.world_size} train_gpt.py"
-    elif first.malloc_tuned:
-        launcher = "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 " + launcher
+    elif first.cpu_env:
+        launcher = " ".join([*first.cpu_env, launcher])
     lines = ["```", " ".join([launcher, "--preset", first.preset, *fixed]), "```"]
     if varied:
         lines += ["", "Varied from run to run (in the order of the results above): " + "; ".join(varied)]
