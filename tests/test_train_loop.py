@@ -274,7 +274,7 @@ def test_huge_pages_line_names_the_setting_and_the_kernel_mode(tmp_path):
     assert (train_gpt.huge_pages_line(on, mode)
             == "huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode madvise)")
     assert (train_gpt.huge_pages_line({}, mode)
-            == "huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set; ./run.sh sets it; kernel mode madvise)")
+            == "huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set; ./run.sh sets it for bfloat16 runs; kernel mode madvise)")
     mode.write_text("always madvise [never]\n")
     assert train_gpt.huge_pages_line(on, mode) == "huge pages: off (the kernel's transparent huge pages are set to never)"
     assert train_gpt.huge_pages_line(on, tmp_path / "absent").endswith("(THP_MEM_ALLOC_ENABLE=1; kernel mode unknown)")

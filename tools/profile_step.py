@@ -68,7 +68,7 @@ def main(argv=None) -> str:
         f"dtype {args.dtype}, compile {paths.compile}; {device.type}, {torch.get_num_threads()} threads",
         f"{own['steps']} profiled steps, {step_ms:.0f} ms a step (under the profiler); top {own['top']} operations by self time:",
         prof.key_averages().table(sort_by=sort_by, row_limit=own["top"]),
-        *(line for line in paths.lines if line.startswith(("glibc malloc tuning: off", "huge pages: off"))),  # slower steps
+        *(line for line in paths.lines if line.startswith(("glibc malloc tuning: off", "huge pages: off"))),  # ./run.sh's settings
     ])
     print(report)
     return report

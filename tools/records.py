@@ -400,7 +400,7 @@ def command_lines(logs: list[Log]) -> list[str]:
     launcher = "python train_gpt.py"
     if first.world_size and first.world_size > 1:
         launcher = f"torchrun --standalone --nproc_per_node={first.world_size} train_gpt.py"
-    elif first.cpu_env:
+    if first.cpu_env:
         launcher = " ".join([*first.cpu_env, launcher])
     lines = ["```", " ".join([launcher, "--preset", first.preset, *fixed]), "```"]
     if varied:
