@@ -65,9 +65,10 @@ option() {
   printf '%s' "$value"
 }
 
-# 2 MB pages for tensors of 2 MB or more, in bfloat16 runs (dtype=auto picks it where the CPU has
-# bf16 instructions): 7-9% faster steps on 2 AMX cores. Float32 runs there were 4.5% slower with
-# them and peaked up to 1.6 GB higher. torch reads the setting once, at its first allocation.
+# 2 MB pages for tensors of 2 MB or more, in bfloat16 runs: 7-9% faster steps on 2 AMX cores, where
+# float32 runs were 4.5% slower with them and peaked up to 1.6 GB higher. torch reads the setting
+# once, at start-up, so for dtype=auto this guesses from the CPU's flags; train_gpt.py times both
+# dtypes and its log says when the guess was wrong.
 dtype=$(option dtype auto "$@")
 if [ "$dtype" = bfloat16 ] || { [ "$dtype" = auto ] && grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; }; then
   export THP_MEM_ALLOC_ENABLE=1

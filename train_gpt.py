@@ -111,16 +111,6 @@ def describe_hardware(device: torch.device, world_size: int) -> tuple[str, str]:
             f"torch uses {torch.get_num_threads()} threads per process"), ""
 
 
-def peak_memory_line(device: torch.device) -> str:
-    if device.type == "cuda":
-        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    # ru_maxrss is in KiB on Linux
-    line = f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
-    huge = huge_page_kib()
-    return line if huge is None else f"{line}, {huge // 1024} MiB of it in 2 MB pages now"
-
-
 def huge_page_kib(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
     """This process's memory in transparent huge pages (AnonHugePages), or None where Linux does not say."""
     try:
@@ -134,19 +124,35 @@ def huge_page_kib(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
 
 
-def huge_pages_line(environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
+def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
     """Whether large CPU tensors get 2 MB pages: with THP_MEM_ALLOC_ENABLE=1, torch's allocator asks
-    the kernel for them (madvise) on tensors of 2 MB or more, which it grants unless its mode is never.
-    In bfloat16 the cpu preset then trains 7-9% faster on 2 AMX cores; in float32, 4.5% slower."""
+    the kernel for them (madvise) on tensors of 2 MB or more, which it grants unless its mode is never;
+    in mode always it gives them unasked. In bfloat16 the cpu preset then trains 7-9% faster on 2 AMX
+    cores; in float32, 4.5% slower (./run.sh asks in bfloat16 runs only)."""
     try:
         mode = mode_file.read_text().split("[", 1)[1].split("]", 1)[0]
     except (OSError, IndexError):
         mode = "unknown"
+    asked = environ.get("THP_MEM_ALLOC_ENABLE") == "1"
     if mode == "never":
         return "huge pages: off (the kernel's transparent huge pages are set to never)"
-    if environ.get("THP_MEM_ALLOC_ENABLE") != "1":
-        return f"huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set; ./run.sh sets it for bfloat16 runs; kernel mode {mode})"
-    return f"huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode {mode})"
+    if mode == "always":
+        return "huge pages: on (the kernel's transparent huge pages are set to always)"
+    if not asked:
+        why = "THP_MEM_ALLOC_ENABLE=1 not set" if dtype == "bfloat16" else dtype
+        return f"huge pages: off ({why}: ./run.sh sets THP_MEM_ALLOC_ENABLE=1 for bfloat16 runs; kernel mode {mode})"
+    return (f"huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode {mode})"
+            + ("" if dtype == "bfloat16" else f", though {dtype} ran slower with them"))
+
+
+def peak_memory_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    # ru_maxrss is in KiB on Linux
+    line = f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
+    huge = huge_page_kib()
+    return line if huge is None else f"{line}, {huge // 1024} MiB of it in 2 MB pages now"
 
 
 SETTLE_ELEMENTS_PER_THREAD = 32768  # more than any elementwise op's grain (exp's is 2048): at::parallel_for gives every thread a chunk
@@ -1610,7 +1616,7 @@ def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: st
     if not cuda:
         malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
         lines.append(f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}")
-        lines.append(huge_pages_line())
+        lines.append(huge_pages_line(args.dtype))
     return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, compile, not cuda, lines)
 
 

@@ -330,6 +330,29 @@ def test_submit_then_list(runs, tmp_path, capsys):
     assert _changed(source) == ["-" + runs["old"], "+" + runs["new"]]
 
 
+def test_command_carries_the_memory_settings_a_log_reports(runs, tmp_path):
+    """Each fast-path line a CPU log reports as on puts its setting in front of the command, for
+    torchrun too; a line reporting off adds nothing."""
+    text = runs["paths"]["base"].read_text()
+    kept = [line for line in text.splitlines(keepends=True)
+            if not line.startswith(("  glibc malloc tuning:", "  huge pages:"))]
+    fast = kept.index("fast paths:\n") + 1
+    cases = {("on", "on for tensors of 2 MB or more (...)", 1): "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 "
+                                                             "THP_MEM_ALLOC_ENABLE=1 python train_gpt.py",
+             ("on", "off (float32: ...)", 1): "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 python train_gpt.py",
+             ("off (...)", "off (...)", 1): "python train_gpt.py",
+             ("off (...)", "on (the kernel's ...)", 2): "THP_MEM_ALLOC_ENABLE=1 torchrun --standalone "
+                                                       "--nproc_per_node=2 train_gpt.py"}
+    for (malloc, huge, world_size), launcher in cases.items():
+        lines = kept[:fast] + [f"  glibc malloc tuning: {malloc}\n", f"  huge pages: {huge}\n"] + kept[fast:]
+        if world_size > 1:
+            lines.append(f"distributed: world size {world_size}, backend gloo, 1 gradient buckets of [0.1] MB\n")
+        path = tmp_path / "log.txt"
+        path.write_text("".join(lines))
+        command = records.command_lines([records.parse_log(path)])[1]
+        assert command.startswith(launcher + " --preset cpu "), (malloc, huge, command)
+
+
 def test_list_of_empty_records(tmp_path, capsys):
     assert records.main(["list", "track_cpu", "--records-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "  (no records yet)"

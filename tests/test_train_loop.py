@@ -267,25 +267,34 @@ def test_allocator_setting_is_made_unless_the_user_made_one():
         assert environ == {name: "max_split_size_mb:128"}
 
 
-def test_huge_pages_line_names_the_setting_and_the_kernel_mode(tmp_path):
+def test_huge_pages_line_names_the_setting_the_kernel_mode_and_a_dtype_that_gains_nothing(tmp_path):
     mode = tmp_path / "enabled"
     mode.write_text("always [madvise] never\n")
     on = {"THP_MEM_ALLOC_ENABLE": "1"}
-    assert (train_gpt.huge_pages_line(on, mode)
+    assert (train_gpt.huge_pages_line("bfloat16", on, mode)
             == "huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode madvise)")
-    assert (train_gpt.huge_pages_line({}, mode)
-            == "huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set; ./run.sh sets it for bfloat16 runs; kernel mode madvise)")
+    assert (train_gpt.huge_pages_line("float32", on, mode)
+            == "huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode madvise), "
+               "though float32 ran slower with them")
+    assert (train_gpt.huge_pages_line("bfloat16", {}, mode) == "huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set: "
+            "./run.sh sets THP_MEM_ALLOC_ENABLE=1 for bfloat16 runs; kernel mode madvise)")
+    assert train_gpt.huge_pages_line("float32", {}, mode).startswith("huge pages: off (float32: ./run.sh sets")
     mode.write_text("always madvise [never]\n")
-    assert train_gpt.huge_pages_line(on, mode) == "huge pages: off (the kernel's transparent huge pages are set to never)"
-    assert train_gpt.huge_pages_line(on, tmp_path / "absent").endswith("(THP_MEM_ALLOC_ENABLE=1; kernel mode unknown)")
+    assert (train_gpt.huge_pages_line("bfloat16", on, mode)
+            == "huge pages: off (the kernel's transparent huge pages are set to never)")
+    mode.write_text("[always] madvise never\n")  # the kernel gives them unasked
+    assert (train_gpt.huge_pages_line("float32", {}, mode)
+            == "huge pages: on (the kernel's transparent huge pages are set to always)")
+    assert train_gpt.huge_pages_line("bfloat16", on, tmp_path / "absent").endswith("; kernel mode unknown)")
 
 
 HUGE_PAGE_PROBE = ("import sys, torch\nsys.path.insert(0, sys.argv[1])\nimport train_gpt\n"
                    "before = train_gpt.huge_page_kib()\nx = torch.ones(2**25)\nprint(train_gpt.huge_page_kib() - before)")
 
 
-@pytest.mark.skipif(not train_gpt.THP_MODE_FILE.exists() or "[never]" in train_gpt.THP_MODE_FILE.read_text(),
-                    reason="this kernel has no transparent huge pages to give")
+@pytest.mark.skipif(not train_gpt.THP_MODE_FILE.exists() or "[never]" in train_gpt.THP_MODE_FILE.read_text()
+                    or train_gpt.huge_page_kib() is None,
+                    reason="this kernel has no transparent huge pages to give, or does not count them")
 def test_torch_takes_huge_pages_for_large_tensors_when_asked():
     """THP_MEM_ALLOC_ENABLE=1, the setting ./run.sh makes, is the name this torch's allocator reads: a
     128 MB tensor then lies mostly in 2 MB pages, as smaps reports them; without it (kernel mode
