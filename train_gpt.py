@@ -122,6 +122,7 @@ def huge_page_kib(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
 
 
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
+THP_SETTING = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator reads it once, at start-up: 1 or 0
 
 
 def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
@@ -133,15 +134,15 @@ def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_F
         mode = mode_file.read_text().split("[", 1)[1].split("]", 1)[0]
     except (OSError, IndexError):
         mode = "unknown"
-    asked = environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+    asked = environ.get(THP_SETTING) == "1"
     if mode == "never":
         return "huge pages: off (the kernel's transparent huge pages are set to never)"
     if mode == "always":
         return "huge pages: on (the kernel's transparent huge pages are set to always)"
     if not asked:
-        why = "THP_MEM_ALLOC_ENABLE=1 not set" if dtype == "bfloat16" else dtype
-        return f"huge pages: off ({why}: ./run.sh sets THP_MEM_ALLOC_ENABLE=1 for bfloat16 runs; kernel mode {mode})"
-    return (f"huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode {mode})"
+        why = f"{THP_SETTING}=1 not set" if dtype == "bfloat16" else dtype
+        return f"huge pages: off ({why}: ./run.sh sets {THP_SETTING}=1 for bfloat16 runs; kernel mode {mode})"
+    return (f"huge pages: on for tensors of 2 MB or more ({THP_SETTING}=1; kernel mode {mode})"
             + ("" if dtype == "bfloat16" else f", though {dtype} ran slower with them"))
 
 

@@ -54,6 +54,10 @@ TRACKS = {
                                                       "preset's validation tokens"),
 }
 
+# The environment behind each CPU fast path a log reports as on: what ./run.sh sets, in its order.
+CPU_ENV_SETTINGS = {"  glibc malloc tuning: on": ["MALLOC_MMAP_MAX_=0", "MALLOC_TRIM_THRESHOLD_=68719476736"],
+                    "  huge pages: on": ["THP_MEM_ALLOC_ENABLE=1"]}
+
 # Speedrun step lines; other fields may sit between these, and their order beyond step: is free.
 STEP_RE = re.compile(r"\s*step:(\d+)/(\d+)(?=\s|$)")
 VAL_LOSS_RE = re.compile(r"(?:^|\s)val_loss:([0-9.]+|nan|inf)(?=\s|$)")
@@ -176,12 +180,10 @@ def parse_log(path: Path) -> Log:
         if line.startswith("distributed: "):
             ws = WORLD_SIZE_RE.match(line)
             world_size = int(ws.group(1)) if ws else world_size
-        elif line.startswith("  glibc malloc tuning: on"):
-            cpu_env += ["MALLOC_MMAP_MAX_=0", "MALLOC_TRIM_THRESHOLD_=68719476736"]
-        elif line.startswith("  huge pages: on"):
-            cpu_env.append("THP_MEM_ALLOC_ENABLE=1")
         elif line.startswith("resumed from "):
             resumed = True
+        else:
+            cpu_env += [setting for prefix, env in CPU_ENV_SETTINGS.items() if line.startswith(prefix) for setting in env]
     return Log(path, source, header, preset, hparam_lines, hparams, vals, world_size, cpu_env, resumed)
 
 
