@@ -1,22 +1,31 @@
 """Tokenize text documents with GPT-2 into speedrun shards.
 
     python data/tokenize_corpus.py INPUT... --out DIR --name PREFIX
-        [--shard-tokens N] [--val-tokens N] [--workers K] [--force]
+        [--shard-tokens N] [--val-tokens N] [--seed S | --keep-order] [--workers K] [--force]
 
 INPUT is a .txt file (one document), a .jsonl file (one document per line, in its "text"
 field) or a folder searched recursively for both (sorted, so the order is reproducible).
-Each document is prefixed with <|endoftext|>, like the speedrun's FineWeb shards. The first
---val-tokens tokens go to DIR/PREFIX_val_000000.bin, the rest to PREFIX_train_000001.bin,
-PREFIX_train_000002.bin, ... of at most --shard-tokens tokens each. Shards appear only when
-all of them are complete; existing shards with the same PREFIX are replaced only with --force.
+Each document is prefixed with <|endoftext|>, like the speedrun's FineWeb shards.
+
+The documents are shuffled, with --seed (default 0): the first --val-tokens tokens of the
+shuffled order go to DIR/PREFIX_val_000000.bin, the rest to PREFIX_train_000001.bin,
+PREFIX_train_000002.bin, ... of at most --shard-tokens tokens each, so validation is a random
+sample of the documents and training reads them in random order. The shuffle is exact, over the
+whole corpus: the tokens are kept in a hidden temporary file in DIR (2 bytes a token) and memory
+holds one shard plus 16 bytes a document. --keep-order keeps the input order instead and writes
+the shards as it tokenizes, without the temporary file. The same command gives the same shards.
+Shards appear only when all of them are complete; existing shards with the same PREFIX are
+replaced only with --force.
 """
 
 import argparse
+import array
 import collections
 import json
 import os
 import re
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -136,6 +145,11 @@ class TokenStream:
             have += head.size
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
 
+    @property
+    def mid_array(self):
+        """Whether the last array read has been only partly taken."""
+        return bool(self._pending)
+
 
 class ShardSet:
     """The shards named PREFIX_<split>_NNNNNN.bin in one folder, replaced all at once.
@@ -199,24 +213,85 @@ def write_split(shard_set, split, stream, shard_tokens, first_index, max_shards=
     return counts
 
 
+class Summary(collections.namedtuple("Summary", "documents val_documents cut seed written")):
+    """What tokenize_corpus made: `documents` in all, `val_documents` of them begin in the val
+    shard, `cut` when the last of them ends in the first train shard (it counts in val), `seed`
+    (None with keep_order) and `written`, [(shard path, tokens)] in writing order."""
+
+    @property
+    def train_documents(self):
+        return self.documents - self.val_documents
+
+
 def tokenize_corpus(inputs, out_dir, name, shard_tokens=SHARD_TOKENS, val_tokens=VAL_TOKENS,
-                    workers=1, force=False, encoding=None):
-    """Tokenize `inputs` into shards in `out_dir`; return (documents, [(shard path, tokens)])."""
+                    workers=1, force=False, encoding=None, seed=None, keep_order=False):
+    """Tokenize `inputs` into shards in `out_dir`, the documents shuffled with `seed` (default 0)
+    unless `keep_order`; return a Summary."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise CorpusError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
     if not 0 < shard_tokens <= shards.MAX_TOKENS or not 0 < val_tokens <= shards.MAX_TOKENS:
         raise CorpusError(f"--shard-tokens and --val-tokens must be between 1 and {shards.MAX_TOKENS}")
+    if keep_order and seed is not None:
+        raise CorpusError("--seed has no effect with --keep-order; pass one or the other")
+    if seed is None and not keep_order:
+        seed = 0
+    if seed is not None and seed < 0:
+        raise CorpusError(f"--seed {seed}: must be 0 or more")
     files = find_input_files(inputs)
     with ShardSet(out_dir, name, replace=force) as out:
         encoding = encoding or get_gpt2_encoding()
-        stream = TokenStream(tokenize_documents(read_documents(files), encoding, workers))
-        val = write_split(out, "val", stream, val_tokens, 0, max_shards=1)
-        if not write_split(out, "train", stream, shard_tokens, 1):
+        arrays = tokenize_documents(read_documents(files), encoding, workers)
+        if keep_order:
+            stream = TokenStream(arrays)
+            val_documents, cut = _write_splits(out, stream, shard_tokens, val_tokens, lambda: stream.arrays_read)
+            documents = stream.arrays_read
+        else:
+            documents, val_documents, cut = _write_shuffled(out, arrays, shard_tokens, val_tokens, seed)
+    return Summary(documents, val_documents, cut, seed, out.written)
+
+
+def _write_splits(out, stream, shard_tokens, val_tokens, documents_read):
+    """The val shard then the train shards from `stream`; returns (documents begun in val,
+    whether the last of them goes on in train)."""
+    val = write_split(out, "val", stream, val_tokens, 0, max_shards=1)
+    val_documents, cut = stream.arrays_read, stream.mid_array
+    if not write_split(out, "train", stream, shard_tokens, 1):
+        raise CorpusError(
+            f"the inputs hold only {sum(val)} tokens in {documents_read()} documents, all taken "
+            f"by --val-tokens {val_tokens}; pass a smaller --val-tokens"
+        )
+    return val_documents, cut
+
+
+def _write_shuffled(out, arrays, shard_tokens, val_tokens, seed):
+    """Write the documents of `arrays` in the order of a seeded permutation; return
+    (documents, documents begun in val, whether the last of them goes on in train).
+
+    An exact shuffle, not a bounded buffer's approximate one: validation is then a uniform sample
+    and a short run sees the whole corpus. The tokens wait on disk, in the output folder."""
+    fd, spill = tempfile.mkstemp(dir=out.out_dir, prefix=f".{out.prefix}_documents.", suffix=".tmp")
+    try:
+        # ends[i + 1] is the token offset where document i ends: 8 bytes a document.
+        ends = array.array("q", [0])
+        with os.fdopen(fd, "wb") as f:
+            for tokens in arrays:
+                f.write(memoryview(tokens.astype("<u2", copy=False)))
+                ends.append(ends[-1] + tokens.size)
+        offsets = np.frombuffer(ends, dtype=np.int64)
+        documents, total = offsets.size - 1, int(offsets[-1])
+        if total <= val_tokens:
             raise CorpusError(
-                f"the inputs hold only {sum(val)} tokens in {stream.arrays_read} documents, all taken "
+                f"the inputs hold only {total} tokens in {documents} documents, all taken "
                 f"by --val-tokens {val_tokens}; pass a smaller --val-tokens"
             )
-    return stream.arrays_read, out.written
+        order = np.random.default_rng(seed).permutation(documents)  # another 8 bytes a document
+        tokens = np.memmap(spill, dtype="<u2", mode="r")
+        stream = TokenStream(tokens[offsets[i]:offsets[i + 1]] for i in order)
+        val_documents, cut = _write_splits(out, stream, shard_tokens, val_tokens, lambda: documents)
+        del stream, tokens  # closes the map before the file goes
+        return documents, val_documents, cut
+    finally:
+        os.unlink(spill)
 
 
 def main(argv=None):
@@ -226,17 +301,25 @@ def main(argv=None):
     parser.add_argument("--name", required=True, help="shard name prefix, e.g. mycorpus")
     parser.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per train shard")
     parser.add_argument("--val-tokens", type=int, default=VAL_TOKENS, help="tokens in the val shard")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the document shuffle (default 0); the same seed gives the same shards")
+    parser.add_argument("--keep-order", action="store_true",
+                        help="keep the input order: the first --val-tokens tokens are validation, "
+                             "no shuffle and no temporary file")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder threads")
     parser.add_argument("--force", action="store_true", help="replace existing shards of this name")
     args = parser.parse_args(argv)
     try:
-        documents, written = tokenize_corpus(args.inputs, args.out, args.name, args.shard_tokens,
-                                             args.val_tokens, args.workers, args.force)
+        summary = tokenize_corpus(args.inputs, args.out, args.name, args.shard_tokens, args.val_tokens,
+                                  args.workers, args.force, seed=args.seed, keep_order=args.keep_order)
     except (CorpusError, TokenizerError, FetchError, shards.ShardError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{documents:,} documents")
-    for path, count in written:
+    order = "in input order (--keep-order)" if summary.seed is None else f"shuffled with seed {summary.seed}"
+    print(f"{summary.documents:,} documents {order}: {summary.val_documents:,} to validation, "
+          f"{summary.train_documents:,} to training" + ("; the one cut between them counts in validation"
+                                                         if summary.cut else ""))
+    for path, count in summary.written:
         print(f"{path}: {count:,} tokens")
     return 0
 
