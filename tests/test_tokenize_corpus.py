@@ -307,3 +307,20 @@ def test_command_line_names_the_seed_and_the_split(tmp_path, capsys, monkeypatch
     ]
     assert tc.main([str(folder), "--out", str(out), "--name", "c", "--keep-order", "--seed", "1", "--force"]) == 1
     assert capsys.readouterr().err == "error: --seed has no effect with --keep-order; pass one or the other\n"
+
+
+def test_a_val_shard_of_val_tokens_plus_one_serves_train_gpts_validation(tmp_path):
+    import train_gpt
+
+    # train_gpt.py reads --val_tokens + 1 tokens, the last target; the default shard serves the record.
+    assert tc.VAL_TOKENS == train_gpt.Hyperparameters().val_tokens + 1
+    folder = two_topic_folder(tmp_path)
+    for val_tokens in (1025, 1024):
+        out = tmp_path / f"val{val_tokens}"
+        tc.tokenize_corpus([folder], out, "c", val_tokens=val_tokens, encoding=BYTES)
+        pattern = str(out / "c_val_*.bin")
+        if val_tokens == 1025:
+            assert train_gpt.validation_sequences(pattern, 1024, 1024, 257).shape == (1, 1025)
+        else:
+            with pytest.raises(train_gpt.DataError, match="hold only 1024 tokens"):
+                train_gpt.validation_sequences(pattern, 1024, 1024, 257)
