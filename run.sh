@@ -6,8 +6,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
-# Prints the number of CUDA GPUs when $1 has every dependency at the version requirements.txt pins
-# with == and imports torch; fails otherwise. One interpreter start: importing torch takes seconds.
+# Prints the number of CUDA GPUs, then the dtype that dtype=auto picks on this CPU (train_gpt.auto_dtype,
+# the one rule), when $1 has every dependency at the version requirements.txt pins with == and imports
+# torch; fails otherwise. One interpreter start: importing torch takes seconds.
 deps_ok() {
   "$1" - <<'PY' 2>/dev/null
 import importlib.metadata, re, sys
@@ -17,12 +18,17 @@ for line in open("requirements.txt"):
         sys.exit(1)
 import torch
 print(torch.cuda.device_count())
+try:
+    import train_gpt
+    print(train_gpt.auto_dtype(torch.device("cpu"))[0])
+except Exception:  # a train_gpt.py that does not import says why when it runs
+    print("unknown")
 PY
 }
 
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-if ! gpus=$(deps_ok "$PY"); then
+if ! found=$(deps_ok "$PY"); then
   if [ ! -x .venv/bin/python ]; then
     echo "run.sh: creating .venv and installing requirements.txt" >&2
     python3 -m venv .venv
@@ -31,8 +37,9 @@ if ! gpus=$(deps_ok "$PY"); then
   fi
   PY=.venv/bin/python
   "$PY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-  gpus=$(deps_ok "$PY") || { echo "run.sh: the requirements still do not import in .venv; see the pip output above" >&2; exit 1; }
+  found=$(deps_ok "$PY") || { echo "run.sh: the requirements still do not import in .venv; see the pip output above" >&2; exit 1; }
 fi
+gpus=${found%%$'\n'*} auto_dtype=${found##*$'\n'}
 
 if [ "${1:-}" = "test" ]; then
   shift
@@ -47,8 +54,8 @@ fi
 
 [ -f data/shakespeare/shakespeare_val_000000.bin ] && [ -f data/shakespeare/shakespeare_train_000001.bin ] \
   || "$PY" data/shakespeare.py
-# glibc returns freed blocks to the OS and re-maps them every step, which made CPU training
-# steps 2.5x slower here; keeping freed memory costs peak RSS instead (the run logs it).
+# glibc returns freed blocks to the OS and re-maps them every step, which makes CPU training steps
+# far slower; keeping freed memory costs peak RSS instead (the run logs it).
 export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736
 
 # option NAME DEFAULT ARGS...: the last value ARGS give --NAME (as --NAME=V or --NAME V), else DEFAULT
@@ -65,14 +72,11 @@ option() {
   printf '%s' "$value"
 }
 
-# 2 MB pages for tensors of 2 MB or more, in bfloat16 runs: 7-9% faster steps on 2 AMX cores, where
-# float32 runs were 4.5% slower with them and peaked up to 1.6 GB higher. torch reads the setting
-# once, at start-up, so for dtype=auto this guesses from the CPU's flags; train_gpt.py times both
-# dtypes and its log says when the guess was wrong.
+# 2 MB pages for tensors of 2 MB or more, in bfloat16 runs only: they speed those up and slow float32
+# (records/track_cpu/README.md). torch reads the setting at start-up, hence dtype=auto decided here.
 dtype=$(option dtype auto "$@")
-if [ "$dtype" = bfloat16 ] || { [ "$dtype" = auto ] && grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; }; then
-  export THP_MEM_ALLOC_ENABLE=1
-fi
+if [ "$dtype" = auto ]; then dtype=$auto_dtype; fi
+if [ "$dtype" = bfloat16 ]; then export THP_MEM_ALLOC_ENABLE=1; fi
 
 # The final model is saved under a known run id, so that a sample of it can follow; options given
 # to ./run.sh come later and win.

@@ -4,12 +4,15 @@
     python train_gpt.py --preset cpu --num_iterations=50              # anywhere
     python train_gpt.py --help                                        # presets and every hyperparameter
 
-Sections, in the order data flows: setup and logging, FP8 custom ops, optimizers, model and
-gradient synchronization, data, hyperparameters, training loop.
+This file holds every line that can change what a run computes. What only reports or controls a
+run (the log, checkpoint files, stop signals) is in run_support.py, whose source every log holds
+after this file's. Sections, in the order of the published record: setup, FP8 custom ops,
+optimizers, model (layers, masks, attention, loss, GPT), gradient synchronization, data,
+hyperparameters, the device plan, the training step and loop, main.
 """
 
 # ------------------------------------------------------------------------------------------------
-# Setup and logging
+# Setup: imports, the process group, the CUDA allocator, CPU vector math
 
 import copy
 import dataclasses
@@ -19,13 +22,7 @@ import glob
 import inspect
 import math
 import os
-import platform
-import resource
-import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,148 +32,65 @@ import numpy as np
 import torch
 import torch.distributed as dist
 if dist.is_available():
-    # Imported before init_process_group (torch.optim and torch.compile import it later, via torch._dynamo):
-    # imported after, its functions' defaults (group=group.WORLD) hold the default group past
-    # destroy_process_group, and gloo's worker threads, still alive at interpreter exit, abort it (SIGABRT).
+    # Before init_process_group: imported later (by torch.compile), its defaults hold the default group
+    # past destroy_process_group, and gloo's threads, alive at interpreter exit, abort it (SIGABRT).
     import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-SEPARATOR = "=" * 100  # ends the logged source; tools/records.py splits logs on it
-
-
-class ConfigError(ValueError):
-    """A setting, path or checkpoint the run cannot use; the message names it and says what to do."""
+import run_support as support
+from run_support import ConfigError
 
 
 class DataError(ValueError):
     """A data file the run cannot use; the message names it and says what to do."""
 
 
-class RunLog:
-    """Rank 0 writes logs/<run_id>.txt and flushes every line; other ranks write nothing."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.file = None
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.file = open(path, "x")  # "x": never overwrite another run's log
-            except FileExistsError:
-                raise ConfigError(f"{path} already exists: run_id {path.stem!r} was used before; pick another "
-                                  f"--run_id (logs are never overwritten)") from None
-            except OSError as e:
-                raise ConfigError(f"--log_dir={path.parent}: cannot write the log there ({e.strerror}); "
-                                  f"pick a writable folder") from None
-
-    def __call__(self, message: str, console: bool = True):
-        if self.file is None:
-            return
-        if console:
-            print(message, flush=True)
-        self.file.write(message + "\n")
-        self.file.flush()
-
-    def write_source(self, source: str):
-        if self.file is not None:
-            self.file.write(source if source.endswith("\n") else source + "\n")
-            self.file.write(SEPARATOR + "\n")
-            self.file.flush()
-
-    def close(self):
-        if self.file is not None:
-            self.file.close()
+def configure_cuda_allocator(environ=os.environ) -> str:
+    """Expandable segments let the CUDA caching allocator grow blocks in place instead of fragmenting
+    (the record sets them). Must run before CUDA initializes; a user's own setting wins."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if name in environ:
+            return f"{name}={environ[name]} (set by the user)"
+    environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    return "PYTORCH_ALLOC_CONF=expandable_segments:True"
 
 
-def describe_hardware(device: torch.device, world_size: int) -> tuple[str, str]:
-    """A one-line summary that compares across runs, and details (nvidia-smi on CUDA)."""
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
-        summary = f"{world_size}x {torch.cuda.get_device_name(device)}"
-        try:
-            return summary, subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return summary, f"nvidia-smi unavailable: {e}"
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{world_size}x CPU {model}, {os.cpu_count()} logical cores, "
-            f"torch uses {torch.get_num_threads()} threads per process"), ""
-
-
-def huge_page_kib(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
-    """This process's memory in transparent huge pages (AnonHugePages), or None where Linux does not say."""
-    try:
-        text = smaps.read_text()
-    except OSError:
-        return None
-    kib = [int(line.split()[1]) for line in text.splitlines() if line.startswith("AnonHugePages:")]
-    return kib[0] if kib else None
-
-
-THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
-THP_SETTING = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator reads it once, at start-up: 1 or 0
-
-
-def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
-    """Whether large CPU tensors get 2 MB pages: with THP_MEM_ALLOC_ENABLE=1, torch's allocator asks
-    the kernel for them (madvise) on tensors of 2 MB or more, which it grants unless its mode is never;
-    in mode always it gives them unasked. In bfloat16 the cpu preset then trains 7-9% faster on 2 AMX
-    cores; in float32, 4.5% slower (./run.sh asks in bfloat16 runs only)."""
-    try:
-        mode = mode_file.read_text().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        mode = "unknown"
-    asked = environ.get(THP_SETTING) == "1"
-    if mode == "never":
-        return "huge pages: off (the kernel's transparent huge pages are set to never)"
-    if mode == "always":
-        return "huge pages: on (the kernel's transparent huge pages are set to always)"
-    if not asked:
-        why = f"{THP_SETTING}=1 not set" if dtype == "bfloat16" else dtype
-        return f"huge pages: off ({why}: ./run.sh sets {THP_SETTING}=1 for bfloat16 runs; kernel mode {mode})"
-    return (f"huge pages: on for tensors of 2 MB or more ({THP_SETTING}=1; kernel mode {mode})"
-            + ("" if dtype == "bfloat16" else f", though {dtype} ran slower with them"))
-
-
-def peak_memory_line(device: torch.device) -> str:
-    if device.type == "cuda":
-        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    # ru_maxrss is in KiB on Linux
-    line = f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
-    huge = huge_page_kib()
-    return line if huge is None else f"{line}, {huge // 1024} MiB of it in 2 MB pages now"
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        # A rank that dies is noticed by torchrun, which stops the others; the timeout bounds the
+        # wait of a rank whose peer hangs without dying.
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
+        else:
+            dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    return rank, world_size, device
 
 
 SETTLE_ELEMENTS_PER_THREAD = 32768  # more than any elementwise op's grain (exp's is 2048): at::parallel_for gives every thread a chunk
 
 
 def settle_vector_math():
-    """One elementwise exp on every CPU thread, before the run's first matmul.
-
-    On a thread that ran float32 matmuls, the first call into the MKL (2024.2, in torch 2.13) vector
-    math behind torch.exp, cos and sin on CPU came out up to 1.5e-4 off in some processes (measured
-    with 0.2 s of matmuls before it: 5 of 24 processes two at a time, 11 of 24 one at a time; 2 of 6
-    identical training runs ended elsewhere): the rotary tables then differed from run to run.
-    Calls after a thread's first one are accurate, so this makes that first one here."""
+    """One elementwise exp on every CPU thread, before the run's first matmul. On a thread that ran
+    float32 matmuls, the first call into the MKL vector math behind torch.exp, cos and sin on CPU
+    came out slightly off in some processes, and the rotary tables then differed from run to run;
+    later calls are accurate, so this makes the first one here (tests/test_train_loop.py)."""
     torch.ones(SETTLE_ELEMENTS_PER_THREAD * torch.get_num_threads()).exp()
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8 matmul as custom ops (used for the lm_head)
-#
-# Forward: x and w are scaled into float8_e4m3fn and multiplied by torch._scaled_mm into bf16; the
-# fp8 copies are saved for backward. Backward: the incoming gradient is scaled into float8_e5m2;
-# grad_x comes out in bf16, grad_w in fp32. Each scale maps the largest value an operand can take
-# onto its format's largest finite value, so nothing overflows and little range is wasted.
+# FP8 matmul as custom ops (the lm_head): x, w in e4m3 forward, the gradient in e5m2 backward; each
+# scale maps the largest value an operand can take onto its format's largest, so nothing overflows.
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344
@@ -195,13 +109,8 @@ def lm_head_fp8_scales(model_dim: int, grad_scale: str = "record") -> tuple[floa
     w_scale = LM_HEAD_WEIGHT_BOUND / E4M3_MAX
     if grad_scale == "record":
         return x_scale, w_scale, 1 / E4M3_MAX  # the published record's value
-    if grad_scale != "e5m2_bound":
-        raise ValueError(f"unknown fp8_grad_scale {grad_scale!r}; choose one of {', '.join(FP8_GRAD_SCALES)}")
-    # The gradient reaching the matmul output z is dCE/dlogit * dlogit/dz. Cross-entropy gives at
-    # most 1 per element (summed loss, divided by the accumulation steps), and the softcap's slope
-    # is at most LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * sqrt(width)) = 1/sqrt(width). Mapping
-    # that bound onto e5m2's max (57344) uses the ~12 binades that 1/448 leaves free at the top, so
-    # gradients survive down to ~1e-11 instead of flushing to zero below ~3e-8.
+    # |dCE/dlogit| <= 1 and the softcap's slope <= 1/sqrt(width): that bound at e5m2's max uses the
+    # binades 1/448 leaves free at the top, keeping small gradients that 1/448 flushes to zero.
     grad_bound = LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * model_dim**0.5)
     return x_scale, w_scale, grad_bound / E5M2_MAX
 
@@ -229,7 +138,7 @@ def _fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
 @functools.cache
 def compiled_on_first_use(fn):
     """fn under torch.compile, for CUDA paths that run outside the compiled model (the FP8 scaling and
-    casts, which then fuse; Muon's orthogonalization). Made on first use: importing stays cheap."""
+    casts, which then fuse; Muon's orthogonalization; FlexAttention). Made on first use: importing stays cheap."""
     return torch.compile(fn, dynamic=False)
 
 
@@ -276,16 +185,6 @@ def _fp8_mm_autograd_backward(ctx, grad_out, *_):
 fp8_mm.register_autograd(_fp8_mm_autograd_backward, setup_context=_fp8_mm_setup_context)
 
 
-def fp8_supported(device: torch.device) -> tuple[bool, str]:
-    """FP8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper and newer)."""
-    if device.type != "cuda":
-        return False, f"needs CUDA compute capability >= 8.9; this device is {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        return False, f"needs CUDA compute capability >= 8.9; this GPU has {major}.{minor}"
-    return True, f"compute capability {major}.{minor}"
-
-
 # ------------------------------------------------------------------------------------------------
 # Optimizers: Muon for hidden matrices, Adam (torch's) for everything else
 
@@ -301,7 +200,7 @@ POLAR_EXPRESS_COEFFS = [
 POLAR_EXPRESS_SAFETY = 2e-2
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic; the same for every iteration
 ORTHOGONALIZATION_STEPS = 5
-ORTHOGONALIZERS = ("polar_express", "newton_schulz")
+ORTHOGONALIZERS = ("newton_schulz", "polar_express")  # the values of Hyperparameters.orthogonalizer
 
 
 def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -315,11 +214,9 @@ def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype =
     if method == "polar_express":
         X = X / (norm * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
         coeffs = POLAR_EXPRESS_COEFFS
-    elif method == "newton_schulz":
+    else:
         X = X / (norm + 1e-7)
         coeffs = [NEWTON_SCHULZ_COEFFS] * ORTHOGONALIZATION_STEPS
-    else:
-        raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
     for a, b, c in coeffs:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
@@ -356,7 +253,8 @@ class Muon(torch.optim.Optimizer):
     round r holds each rank's r-th matrix; a round's results are all-gathered asynchronously while the
     next round computes, then applied. Every rank applies the same updates, and each matrix is
     orthogonalized alone, so its update has the same bits at any world size. A single process is
-    world size 1: the same code with no communication. On CUDA the orthogonalization is compiled.
+    world size 1: the same code with no communication. The device plan says whether to compile the
+    orthogonalization (on CUDA).
 
     Two options, off by default (the record): neuron_beta2 > 0 normalizes each orthogonalized update
     per neuron (NorMuon), and the group's weight_decay applies cautious weight decay; both run on
@@ -365,22 +263,18 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
-                 weight_decay: float = 0.0):
-        if method not in ORTHOGONALIZERS:
-            raise ValueError(f"unknown orthogonalizer {method!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
+                 weight_decay: float = 0.0, compiled: bool = False):
         # Larger matrices first: rounds then pair matrices of similar size, wasting little padding.
         params = sorted(params, key=lambda p: -p.numel())
         super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                                      weight_decay=weight_decay))
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
         self.neuron_beta2 = neuron_beta2
+        self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
         dealt = deal_by_cost([orthogonalization_flops(p.shape) for p in params], world_size)
         self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank orthogonalizes
         self.rounds = [[mine[r] if r < len(mine) else None for mine in self.dealt]
                        for r in range(max(map(len, self.dealt)))]
-
-    def _orthogonalize(self, update: Tensor) -> Tensor:
-        return (compiled_on_first_use(orthogonalize) if update.is_cuda else orthogonalize)(update, self.method, self.dtype)
 
     @torch.no_grad()
     def step(self):
@@ -399,7 +293,7 @@ class Muon(torch.optim.Optimizer):
             if local is not None:
                 buf = self.state[local]["momentum_buffer"]
                 update = local.grad.lerp(buf, momentum) if nesterov else buf
-                out[:local.numel()] = self._orthogonalize(update).flatten()
+                out[:local.numel()] = self.orthogonalize(update, self.method, self.dtype).flatten()
             if self.world_size > 1:
                 gathered = out.new_empty(size * self.world_size)
                 handle = dist.all_gather_into_tensor(gathered, out, async_op=True)
@@ -442,7 +336,7 @@ class Muon(torch.optim.Optimizer):
 
 
 # ------------------------------------------------------------------------------------------------
-# Model
+# Model: layers, masks, attention, loss, GPT
 
 BLOCK_SIZE = 128  # FlexAttention block; sequence lengths and windows are counted in these
 EOT_TOKEN = 50256  # <|endoftext|> starts every document in the shards
@@ -457,12 +351,12 @@ def norm(x: Tensor) -> Tensor:
 
 
 class CastedLinear(nn.Linear):
-    """A bias-free linear layer with fp32 weights cast to the activations' dtype, or the FP8 matmul."""
+    """A bias-free linear layer with fp32 weights cast to the activations' dtype; in training, the FP8
+    matmul when given its (x, w, grad) scales."""
 
     def __init__(self, in_features: int, out_features: int, fp8_scales: tuple[float, float, float] | None = None):
         super().__init__(in_features, out_features, bias=False)
         self.fp8_scales = fp8_scales
-        self.use_fp8 = False  # switched on by the training script where the device supports it
 
     def reset_parameters(self):
         bound = 3**0.5 * 0.5 * self.in_features**-0.5  # uniform with std 0.5 / sqrt(fan_in)
@@ -470,7 +364,7 @@ class CastedLinear(nn.Linear):
             self.weight.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.use_fp8 and self.training:
+        if self.fp8_scales is not None and self.training:
             out = fp8_mm(x.flatten(0, -2), self.weight, *self.fp8_scales)[0]
             return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.type_as(x))
@@ -524,11 +418,10 @@ def window_block_counts(partial_num: Tensor, full_num: Tensor, window_blocks) ->
     return partial_kept, full_kept
 
 
-def attention_masks(tokens: Tensor, window_blocks, backend: str, queries: slice = slice(None)) -> tuple:
+def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
     """The long- and short-window masks of one sequence (short: half as many blocks, at least one):
     FlexAttention BlockMasks for backend "flex", dense boolean (T, T) masks with exactly the same
-    pairs for backend "sdpa". For "sdpa", `queries` selects rows, and the keys then end at the last
-    selected query: a KV cache's new positions against every key up to them."""
+    pairs for backend "sdpa"."""
     docs, partial_num, partial_idx, full_num, full_idx = document_causal_blocks(tokens)
     window_blocks = torch.as_tensor(window_blocks, dtype=torch.int32, device=tokens.device)
 
@@ -546,32 +439,29 @@ def attention_masks(tokens: Tensor, window_blocks, backend: str, queries: slice 
         block_allowed.scatter_(1, partial_idx.long(), slot < partial_kept[:, None])
         block_allowed |= torch.zeros_like(block_allowed).scatter_(1, full_idx.long(), slot < full_kept[:, None])
         pos = torch.arange(tokens.numel(), device=tokens.device)
-        q_pos, kv_pos = pos[queries], pos[:queries.stop]
-        # each block's column repeated for its positions: a copy, where indexing by kv_pos // BLOCK_SIZE
-        # is an elementwise gather (4.8 against 0.09 ms on one CPU core for 1024 x 1024)
-        per_key = block_allowed[:, :, None].expand(-1, -1, BLOCK_SIZE).flatten(1)[:, :kv_pos.numel()]
-        allowed = per_key[q_pos // BLOCK_SIZE]
-        return allowed & document_causal(None, None, q_pos[:, None], kv_pos[None, :])
+        # each block's column repeated for its positions: a copy, where indexing by pos // BLOCK_SIZE
+        # would be a slower elementwise gather
+        per_key = block_allowed[:, :, None].expand(-1, -1, BLOCK_SIZE).flatten(1)
+        return per_key[pos // BLOCK_SIZE] & document_causal(None, None, pos[:, None], pos[None, :])
 
     return build(window_blocks), build(torch.clamp_min(window_blocks // 2, 1))
 
 
 # Dense-mask attention runs this many queries at a time, each block against the keys up to its last
-# query: at 1024 positions blocks of 128 took as long as 256 (more, smaller SDPA calls).
+# query; smaller blocks mean more, smaller SDPA calls (records/track_cpu/README.md).
 SDPA_QUERY_BLOCK = 256
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     """Attention over (B, H, T, D) with a mask from attention_masks(): the queries are the last T of
-    the keys' positions."""
+    the keys' positions (all of them in training; a KV cache's new ones in generation)."""
     if isinstance(mask, BlockMask):
         # Outside a compiled graph, flex_attention runs a reference path that materializes every
         # score (tens of GB at the record's 48K tokens); its compiled kernel alone does not.
         kernel = flex_attention if torch.compiler.is_compiling() else compiled_on_first_use(flex_attention)
         return kernel(q, k, v, block_mask=mask, scale=scale)
     # SDPA computes every score a dense mask covers, and no query sees a later key: query blocks that
-    # skip the keys after them do 5/8 of the work at 1024 positions (fwd+bwd 19 -> 15 ms on 2 AVX2
-    # cores), with the same result up to float rounding.
+    # skip the keys after them do less work, with the same result up to float rounding.
     num_queries, first_query = q.size(2), k.size(2) - q.size(2)
     if num_queries <= SDPA_QUERY_BLOCK:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -582,55 +472,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
         blocks.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys],
                                                      attn_mask=mask[..., start:stop, :keys], scale=scale))
     return torch.cat(blocks, dim=2)
-
-
-class LayerCache:
-    """One attention layer's rotated keys and mixed values (1, H, positions, D) for generation, in
-    buffers that double when full (or are made for reserve positions at once), so adding a token
-    copies one position, not the whole history."""
-
-    def __init__(self, reserve: int = 0):
-        self.keys = self.values = None
-        self.length, self.reserve = 0, reserve
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Adds k, v (1, H, T, D) after the cached positions; returns every position's keys and values."""
-        end = self.length + k.size(2)
-        if self.keys is None or end > self.keys.size(2):
-            capacity = max(end, 2 * self.length, BLOCK_SIZE, self.reserve)
-            grown = [t.new_empty(*t.shape[:2], capacity, t.size(3)) for t in (k, v)]
-            if self.keys is not None:
-                grown[0][:, :, :self.length] = self.keys[:, :, :self.length]
-                grown[1][:, :, :self.length] = self.values[:, :, :self.length]
-            self.keys, self.values = grown
-        self.keys[:, :, self.length:end] = k
-        self.values[:, :, self.length:end] = v
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-
-class KVCache:
-    """What GPT.next_token_logits() needs to run only new positions: the tokens so far and each
-    layer's keys and values (the attention-free layer's stay empty). Batch size 1, like training.
-    reserve: the positions expected, to hold from the start (a compiled step then sees one buffer size)."""
-
-    def __init__(self, num_layers: int, reserve: int = 0):
-        self.tokens: Tensor | None = None
-        self.layers = [LayerCache(reserve) for _ in range(num_layers)]
-        # attention_masks() rows from masks_start to the end of that block, against keys up to there:
-        # what the next positions use until a document starts (see GPT.next_token_logits)
-        self.masks: tuple | None = None
-        self.masks_start, self.masks_window = 0, None
-
-    def __len__(self) -> int:
-        return 0 if self.tokens is None else self.tokens.numel()
-
-    def rewind(self, length: int):
-        """Forgets every position from length on."""
-        self.tokens = self.tokens[:length]
-        for layer in self.layers:
-            layer.length = min(layer.length, length)
-        self.masks = None
 
 
 ATTENTION_SCALE = 0.12  # the record's fixed softmax scale (QK-normed, so no 1/sqrt(d))
@@ -654,7 +495,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = CastedLinear(hidden, model_dim)
         self.c_proj.weight.detach().zero_()
 
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, cache=None) -> Tensor:
+        """cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values."""
         B, T = x.size(0), x.size(1)
         start = 0 if cache is None else cache.length  # position of x's first token
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
@@ -693,7 +535,7 @@ class Block(nn.Module):
         self.mlp = MLP(model_dim)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor,
-                cache: LayerCache | None = None) -> Tensor:
+                cache=None) -> Tensor:
         x = lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, attn_lambdas, mask, cache)
@@ -711,8 +553,6 @@ def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | Non
         layers = range(0, num_layers, 2)
         tables = -(-len(layers) // 2)
         return [layers.index(i) % tables if i in layers else None for i in range(num_layers)]
-    if layout != "u":
-        raise ValueError(f"unknown value-embedding layout {layout!r}; choose one of {', '.join(VALUE_EMBED_LAYOUTS)}")
     tables = min(3, (num_layers - 2) // 2)
     placed = [None] * num_layers
     for t in range(tables):
@@ -733,16 +573,9 @@ def long_window_layers(num_layers: int) -> list[bool]:
     return [min(i, num_layers - 1 - i) % 4 == 0 for i in range(num_layers)]
 
 
-# Validation computes the loss this many positions at a time, so that its largest tensors, the
-# float32 logits and their softcap, take 8192 x 50304 x 4 bytes = 1.6 GB each whatever val_seq_len is
-# (the record's 262,144-position sequence would need 53 GB each at once). A chunk is still a large
-# lm_head matmul (0.6 TFLOP at width 768), and compile unrolls 32 chunks for the record.
+# Validation's loss this many positions at a time: its float32 logits take 1.6 GB whatever val_seq_len
+# is, where the record's 262,144 positions would need 53 GB at once.
 EVAL_LOSS_CHUNK = 8192
-PAD_TOKEN = 0  # fills a partial last block for generation: any token but EOT_TOKEN, which would start a document
-
-
-def pad_to_blocks(tokens: Tensor) -> Tensor:
-    return F.pad(tokens, (0, next_multiple(tokens.numel(), BLOCK_SIZE) - tokens.numel()), value=PAD_TOKEN)
 
 
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
@@ -767,21 +600,16 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
             rows, t = xn[start:start + chunk], targets[start:start + chunk]
             target_cols = t[:, None]  # each row's target, as a gather index
             s = (rows @ w.T).float().mul_(scale).sigmoid_()
-            # Softcapped logits lie in (0, LOGIT_SOFTCAP), so exp cannot overflow and the log-sum-exp
-            # needs no max pass: one exp serves the loss and the softmax. It is an exp2 because inductor
-            # on CPU stores any value made with exp, sigmoid or log that is read twice (as s is): for the
-            # softmax, read by the sum and by the gradient, a float32 copy of the chunk's logits to write
-            # and read back; an exp2 it recomputes (a cpu preset step 1.13 -> 0.96 s on 2 AVX-512 cores).
+            # Logits in (0, LOGIT_SOFTCAP): exp cannot overflow, so no max pass. exp2, because inductor on
+            # CPU stores an exp read twice (a float32 copy of the chunk's logits) but recomputes an exp2.
             softmax = torch.exp2(s * (LOGIT_SOFTCAP * LOG2E))
             sum_exp = softmax.sum(dim=-1)
             s_target = s.gather(1, target_cols)
             total += (sum_exp.log() - LOGIT_SOFTCAP * s_target.squeeze(1)).sum()
             if not need_grads:
                 continue
-            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s), with c in the softmax's normalization.
-            # The one-hot term changes one entry per row, which is overwritten afterwards: comparing every
-            # logit with the target cost 6% of a compiled step (cpu preset, 2 AMX cores: 1.02 -> 0.96 s).
-            # An assignment, because scatter_ takes 30-200 ms a chunk on CPU and `-=` makes inductor copy it.
+            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s); the one-hot entry of each row is
+            # assigned afterwards (scatter_ is slow on CPU, and `-=` makes inductor copy the chunk).
             k = (c / sum_exp)[:, None]
             grad_target = (softmax.gather(1, target_cols) * k - c) * torch.addcmul(s_target, s_target, s_target, value=-1)
             grad = softmax.mul_(k).mul_(torch.addcmul(s, s, s, value=-1)).to(xn.dtype)
@@ -800,8 +628,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
         """apply(), making gradients only where autograd can use them: needs_input_grad follows
         requires_grad whatever the grad mode, so under no_grad the inputs go in detached (validation:
-        one sigmoid and one exp2 a logit, a cpu preset sequence 166 -> 138 ms on 2 AVX2 cores against
-        softcapped_logits and F.cross_entropy)."""
+        one sigmoid and one exp2 a logit)."""
         if not torch.is_grad_enabled():
             xn, w = xn.detach(), w.detach()
         return cls.apply(xn, w, targets, chunk)
@@ -809,11 +636,13 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
 class GPT(nn.Module):
     """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
-    order in which gradients become ready in backward (the bucketing relies on it)."""
+    order in which gradients become ready in backward (the bucketing relies on it). The device plan
+    gives the attention backend, the FP8 lm_head, the training loss's chunks and the embeddings' dtype."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, attention_backend: str = "sdpa", fp8_grad_scale: str = "record",
-                 value_embed_layout: str = "u", value_embed_gates: bool = False):
+                 max_seq_len: int, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
+                 loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
+                 value_embed_gates: bool = False):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
@@ -835,9 +664,12 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention,
                                           value_embed_gates and self.ve_layout[i] is not None)
                                     for i in range(num_layers))
-        self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128), lm_head_fp8_scales(model_dim, fp8_grad_scale))
+        self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128),
+                                    lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
         self.lm_head.weight.detach().zero_()
-        self.loss_chunk = 0  # training loss in chunks of this many rows (ChunkedSoftcapLoss; not with FP8); 0: all at once
+        self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
+        for table in [self.embed, *self.value_embeds]:
+            table.to(embed_dtype)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
         """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean, computed
@@ -850,9 +682,10 @@ class GPT(nn.Module):
                                        self.loss_chunk if self.training else EVAL_LOSS_CHUNK)
         return loss if self.training else loss / target_seq.numel()
 
-    def trunk(self, tokens: Tensor, masks: tuple, cache: KVCache | None = None) -> Tensor:
+    def trunk(self, tokens: Tensor, masks: tuple, cache=None) -> Tensor:
         """Embeddings and blocks with x0 mixing, value embeddings and U-net skips: the final residual
-        stream (1, T, D) of tokens (T,), attending under masks (long, short) from attention_masks()."""
+        stream (1, T, D) of tokens (T,), attending under masks (long, short) from attention_masks().
+        cache: generation's hook, a KV cache whose layers[i] serves block i (tools/sample.py)."""
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
@@ -876,40 +709,9 @@ class GPT(nn.Module):
         logits = self.lm_head(norm(x)).float()
         return LOGIT_SOFTCAP * torch.sigmoid(logits / (LOGIT_SOFTCAP_SPREAD * x.size(-1) ** 0.5))
 
-    def next_token_logits(self, tokens: Tensor, window_blocks, cache: KVCache | None = None) -> Tensor:
-        """The logits (padded vocab,) of the token that follows tokens (T,), for generation.
 
-        Without a cache, tokens is the whole sequence and this is the training forward (same trunk,
-        same masks) on the sequence padded to whole blocks with PAD_TOKEN. With a cache, tokens
-        continue the cached ones and only their positions run: each query sees the keys that the
-        whole sequence's masks allow it, and their keys and values join the cache."""
-        n, start = tokens.numel(), 0 if cache is None else len(cache)
-        if start + n > self.max_seq_len:
-            raise ValueError(f"{start + n} positions exceed the model's max_seq_len={self.max_seq_len}")
-        if cache is None:
-            padded = pad_to_blocks(tokens)
-            x = self.trunk(padded, attention_masks(padded, window_blocks, self.attention_backend))
-            return self.softcapped_logits(x[0, n - 1])
-        held = start % BLOCK_SIZE  # cached positions of a block that tokens go on filling
-        if held and bool((tokens[:BLOCK_SIZE - held] == EOT_TOKEN).any()):
-            # A document starting in that block changes which blocks its earlier positions attend
-            # (blocks are the masks' unit), so those positions run again.
-            start -= held
-            tokens = torch.cat([cache.tokens[start:], tokens])
-            cache.rewind(start)
-        seen = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens])
-        end = seen.numel()
-        # Masks are made for the padded sequence up to the end of the last block. Replacing padding
-        # by tokens other than EOT_TOKEN changes no document, so those masks' later rows still hold.
-        if (cache.masks is None or cache.masks_window != window_blocks or end > cache.masks_start + cache.masks[0].size(0)
-                or bool((tokens == EOT_TOKEN).any())):
-            padded = pad_to_blocks(seen)
-            cache.masks = attention_masks(padded, window_blocks, "sdpa", slice(start, padded.numel()))
-            cache.masks_start, cache.masks_window = start, window_blocks
-        rows = slice(start - cache.masks_start, end - cache.masks_start)
-        x = self.trunk(tokens, tuple(mask[rows, :end] for mask in cache.masks), cache)
-        cache.tokens = seen
-        return self.softcapped_logits(x[0, -1])
+# ------------------------------------------------------------------------------------------------
+# Gradient synchronization: bucketed all-reduce launched from post-accumulate-grad hooks
 
 
 class GradientBuckets:
@@ -1048,16 +850,19 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 class TokenStream:
     """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets)
     taken consecutively from the shards; rank r gets slots r, r + W, r + 2W, ... (one per micro-step).
-    Wraps around to the first shard after the last. state_dict() is the exact read position."""
+    Wraps around to the first shard after the last. state_dict() is the exact read position.
+    pin_memory: shards in pinned host memory and batches copied to the device without blocking."""
 
-    def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int):
+    def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
+                 pin_memory: bool = False):
         self.paths = shard_paths(pattern, "train")
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
+        self.pin_memory = pin_memory
         self.shard_index, self.pos, self.epoch = 0, 0, 0
         self.tokens = self._load(0)
 
     def _load(self, index: int) -> Tensor:
-        tokens = load_shard(self.paths[index], self.vocab_size, pin_memory=self.device.type == "cuda")
+        tokens = load_shard(self.paths[index], self.vocab_size, self.pin_memory)
         if len(tokens) < self.num_slots * self.seq_len + 1:
             raise DataError(f"{self.paths[index]}: {len(tokens)} tokens, fewer than one batch "
                             f"({self.num_slots} x {self.seq_len} + 1)")
@@ -1082,9 +887,8 @@ class TokenStream:
         micro_batches = []
         for slot in range(rank, self.num_slots, world_size):
             buf = self.tokens[self.pos + slot * self.seq_len:][:self.seq_len + 1]
-            non_blocking = self.device.type == "cuda"
-            micro_batches.append((buf[:-1].to(self.device, torch.int32, non_blocking=non_blocking),
-                                  buf[1:].to(self.device, torch.int64, non_blocking=non_blocking)))
+            micro_batches.append((buf[:-1].to(self.device, torch.int32, non_blocking=self.pin_memory),
+                                  buf[1:].to(self.device, torch.int64, non_blocking=self.pin_memory)))
         self.pos += batch_tokens
         return micro_batches
 
@@ -1175,38 +979,46 @@ class Hyperparameters:
 
 PRESETS = {
     "record": {},  # the 8xH100 record: the defaults above
-    "cpu": dict(  # no GPU: the same architecture, small, on Shakespeare; about 5 minutes on 2 cores
+    "cpu": dict(  # no GPU: the same architecture, small, on Shakespeare; measured in records/track_cpu
         train_files="data/shakespeare/shakespeare_train_*.bin",
         val_files="data/shakespeare/shakespeare_val_*.bin",
-        val_tokens=32 * 8192,  # 262,144 of the validation shard's 292,432 tokens
+        val_tokens=32 * 8192,  # most of the validation shard
         seq_len=1024,
         val_seq_len=1024,
-        batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024 (records/track_cpu)
-        num_iterations=260,  # 532K tokens: 5.207 at seed 0, where 85 steps of 8 x 1024 (696K) reached 5.214
-        cooldown_frac=1.0,  # lr decays from the first step: -0.055 +- 0.019 against 0.6 over 3 paired seeds (0.7-0.9 gain less)
-        val_loss_every=0,  # a validation costs 20-60 s on 2 cores (as much as 50-80 steps): only at the end
+        batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024
+        num_iterations=260,
+        cooldown_frac=1.0,  # lr decays from the first step: lower losses than 0.6-0.9
+        val_loss_every=0,  # a validation costs as much as dozens of steps: only at the end
         train_loss_every=1,
         window_tokens=1024,
         num_layers=4,
         num_heads=1,
         head_dim=128,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
-        head_lr=0.11,  # Adam lrs x0.5 at 2 x 1024 a step: -0.077 +- 0.019 over 3 paired seeds (records/track_cpu)
+        head_lr=0.11,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         embed_lr=0.3,
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
-        muon_neuron_beta2=0.95,  # NorMuon: -0.032 +- 0.011 over 3 paired seeds, lower on each (records/track_cpu)
-        muon_cautious_wd=2.0,  # -0.046 +- 0.052 over 3 paired seeds; 0.2, 0.7 and 5 gained less at seed 0
+        muon_neuron_beta2=0.95,  # NorMuon: lower losses on every paired seed
+        muon_cautious_wd=2.0,  # lower losses than 0 (off), 0.2, 0.7 and 5
         orthogonalizer="polar_express",  # what the track_cpu records were made with
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
-        dtype="auto",  # bf16 where the CPU multiplies it natively; CPUs that emulate it (AVX2) are ~100x slower in bf16
-        exact_grad_sum=False,  # ~8% of a step here; tests comparing world sizes switch it on
-        compile=True,  # 0.95-1.05 instead of 1.9 s per 8 x 1024 tokens on 2 AMX cores, for ~30 s of compile (~6 s cached)
+        dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
+        exact_grad_sum=False,  # costs time every step; tests comparing world sizes switch it on
+        compile=True,  # steps about twice as fast, for a compile that inductor's cache shortens
         warmup_steps=0,
     ),
 }
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # the values of Hyperparameters.dtype, besides auto
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# The settings that take one of a few values, and those values: check_hyperparameters() validates them.
+CHOICES = {
+    "dtype": ("auto", *DTYPES),
+    "orthogonalizer": ORTHOGONALIZERS,
+    "value_embed_layout": VALUE_EMBED_LAYOUTS,
+    "fp8_grad_scale": FP8_GRAD_SCALES,
+}
 
 # Settings that may differ between a checkpoint and the run resuming it.
 RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
@@ -1271,14 +1083,9 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if args.val_tokens <= 0 or args.val_tokens % (args.val_seq_len * world_size):
         raise ConfigError(f"val_tokens={args.val_tokens} must be a positive multiple of val_seq_len x world size "
                           f"({args.val_seq_len} x {world_size})")
-    if args.value_embed_layout not in VALUE_EMBED_LAYOUTS:
-        raise ConfigError(f"value_embed_layout={args.value_embed_layout!r}; choose one of {', '.join(VALUE_EMBED_LAYOUTS)}")
-    if args.orthogonalizer not in ORTHOGONALIZERS:
-        raise ConfigError(f"orthogonalizer={args.orthogonalizer!r}; choose one of {', '.join(ORTHOGONALIZERS)}")
-    if args.fp8_grad_scale not in FP8_GRAD_SCALES:
-        raise ConfigError(f"fp8_grad_scale={args.fp8_grad_scale!r}; choose one of {', '.join(FP8_GRAD_SCALES)}")
-    if args.dtype not in (*DTYPES, "auto"):
-        raise ConfigError(f"dtype={args.dtype!r}; choose {', '.join(DTYPES)} or auto")
+    for name, valid in CHOICES.items():
+        if getattr(args, name) not in valid:
+            raise ConfigError(f"{name}={getattr(args, name)!r}; choose one of {', '.join(valid)}")
     if not 0 <= args.cooldown_frac <= 1:
         raise ConfigError(f"cooldown_frac={args.cooldown_frac} must be within [0, 1]")
     if not 0 <= args.muon_neuron_beta2 < 1:
@@ -1302,16 +1109,114 @@ def usage() -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Training loop
+# The device plan: every device-dependent choice of a run, made once, handed to what it configures
 
 
-def build_model(args: Hyperparameters, max_seq_len: int, attention_backend: str = "sdpa") -> GPT:
-    """The GPT that args describe, on CPU, its parameters in float32."""
+@dataclass(frozen=True)
+class DevicePlan:
+    device: torch.device
+    dtype: str  # embeddings, activations and Muon's orthogonalization: bfloat16 or float32
+    attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
+    fp8: bool  # the lm_head's matmul in FP8
+    loss_chunk: int  # training loss over this many positions at a time (ChunkedSoftcapLoss); 0: all at once
+    compile: bool  # torch.compile the model
+    compile_muon: bool  # torch.compile Muon's orthogonalization
+    pinned_memory: bool  # batches in pinned host memory, copied without blocking
+    deterministic: bool  # torch's deterministic algorithms, so that a run repeats to the bit
+    settle_vector_math: bool  # settle_vector_math() before the first matmul
+    lines: tuple[str, ...]  # what the log says of each choice
+
+
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instruction sets that multiply bf16 natively
+
+
+def auto_dtype(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, str]:
+    """dtype=auto, and why: bfloat16 on CUDA and on CPUs that multiply it natively; float32 on CPUs
+    that emulate bf16 matmuls, many times slower. ./run.sh asks this function too."""
+    if device.type == "cuda":
+        return "bfloat16", "CUDA"
+    try:
+        flags = {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
+                 for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        flags = set()
+    native = [flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags]
+    if native:
+        return "bfloat16", f"the CPU has {native[0]}"
+    return "float32", f"the CPU has none of {', '.join(NATIVE_BF16_CPU_FLAGS)}: bf16 matmuls would be emulated"
+
+
+def fp8_supported(device: torch.device) -> tuple[bool, str]:
+    """FP8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper and newer)."""
+    if device.type != "cuda":
+        return False, f"needs CUDA compute capability >= 8.9; this device is {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, f"needs CUDA compute capability >= 8.9; this GPU has {major}.{minor}"
+    return True, f"compute capability {major}.{minor}"
+
+
+def cpp_compiler_found() -> bool:
+    """Whether torch.compile can build CPU kernels here (inductor searches $CXX, then g++ and clang++)."""
+    from torch._inductor import cpp_builder, exc
+    try:
+        return bool(cpp_builder.get_cpp_compiler())
+    except exc.InvalidCxxCompiler:
+        return False
+
+
+def plan_device(args: "Hyperparameters", device: torch.device, allocator: str = "") -> DevicePlan:
+    """The plan for args on device: CUDA runs the record's way (FlexAttention, FP8 where the GPU has
+    it, compiled Muon); a CPU uses the same masks densely, the chunked loss and deterministic kernels."""
+    cuda = device.type == "cuda"
+    fp8_ok, fp8_why = fp8_supported(device)
+    fp8 = args.fp8 and fp8_ok
+    loss_chunk = 0 if fp8 else args.loss_chunk  # the FP8 lm_head has its own op
+    compile = args.compile and (cuda or cpp_compiler_found())
+    dtype, dtype_why = auto_dtype(device) if args.dtype == "auto" else (args.dtype, "")
+    if not cuda:
+        attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
+    elif compile:
+        attention = "FlexAttention with block-sparse masks, compiled with the model"
+    else:
+        # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
+        attention = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
+    lines = (
+        f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
+        f"attention: {attention}",
+        "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
+                             + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
+        "compile: " + ("on" if compile else "off (compile=false)" if not args.compile
+                       else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)"),
+        # Inductor's CPU kernels add embedding gradients with atomics, in whatever order threads reach
+        # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
+        "deterministic algorithms: " + ("off (CUDA: the record's kernels)" if cuda else
+                                        "on (a CPU run repeats to the bit at the same thread count, compiled or not)"),
+        f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
+        f"dtype: {dtype}" + (f" (auto: {dtype_why})" if dtype_why else ""),
+        f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
+        f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
+    )
+    return DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, loss_chunk, compile, compile_muon=cuda,
+                      pinned_memory=cuda, deterministic=not cuda, settle_vector_math=not cuda, lines=lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# The training step and loop
+
+
+def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None) -> GPT:
+    """The GPT that args describe, on CPU, built as plan says; without a plan, for inference on CPU
+    (dense masks, no FP8, float32 embeddings)."""
     return GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
-               attention_backend, args.fp8_grad_scale, args.value_embed_layout, args.value_embed_gates)
+               attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8,
+               fp8_grad_scale=args.fp8_grad_scale, loss_chunk=plan.loss_chunk if plan else 0,
+               embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
+               value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates)
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1) -> tuple[torch.optim.Adam, Muon]:
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
+                     compile_muon: bool = False) -> tuple[torch.optim.Adam, Muon]:
     """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices.
     Each group remembers its initial_lr, which the schedule scales. Value-embedding gates are a few
     scalars per head and go with the scalars."""
@@ -1323,7 +1228,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                              dict(params=[model.scalars, *gates], lr=args.scalar_lr)],
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
-                dtype=DTYPES[args.dtype], rank=rank, world_size=world_size, neuron_beta2=args.muon_neuron_beta2)
+                dtype=DTYPES[args.dtype], rank=rank, world_size=world_size, neuron_beta2=args.muon_neuron_beta2,
+                compiled=compile_muon)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1357,307 +1263,21 @@ def muon_weight_decay(step: int, args: Hyperparameters) -> float:
     return args.muon_cautious_wd * (1 - step / args.num_iterations)
 
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
-PEAK_MEASURE_SECONDS = 1.0  # long enough to average out a thread's warm-up, short beside any run
-PEAK_MEASURE_SIZE = {"cpu": 2048, "cuda": 8192}  # square matmuls on the plateau of each device's speed
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """FLOP/s of one process that MFU is measured against, and where the figure comes from: the
-    datasheet's dense bf16 peak for known GPUs, else measured here, square matmuls in the run's dtype
-    for about a second."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-        if known:
-            return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
-    size = PEAK_MEASURE_SIZE["cuda" if device.type == "cuda" else "cpu"]
-    flops, repeats, elapsed = matmul_speed(device, dtype, size, PEAK_MEASURE_SECONDS)
-    return flops, f"{flops / 1e9:.1f} GFLOP/s {str(dtype).removeprefix('torch.')} measured ({repeats} {size}x{size} matmuls in {elapsed:.2f}s)"
-
-
-def matmul_speed(device: torch.device, dtype: torch.dtype, size: int, seconds: float) -> tuple[float, int, float]:
-    """FLOP/s of square size x size matmuls in dtype, repeated for about `seconds`; with the repeats and time."""
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    repeats, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        sync()
-        repeats += 1
-    elapsed = time.perf_counter() - t0
-    return 2 * size**3 * repeats / elapsed, repeats, elapsed
-
-
-DTYPE_PROBE = (512, 0.2)  # matmul size and seconds per dtype for dtype=auto: a native/emulated gap is 10x or more
-
-
-def resolve_dtype(args: Hyperparameters, device: torch.device, world_size: int) -> tuple[Hyperparameters, str]:
-    """dtype=auto made concrete (so logs and checkpoints name what ran), and the log line saying why.
-    bf16 on CUDA; on a CPU, whichever of bf16 and float32 multiplies faster here, rank 0's choice for all."""
-    if args.dtype != "auto":
-        return args, f"dtype: {args.dtype}"
-    if device.type == "cuda":
-        return dataclasses.replace(args, dtype="bfloat16"), "dtype: bfloat16 (auto: CUDA)"
-    speeds = {name: matmul_speed(device, dtype, *DTYPE_PROBE)[0] for name, dtype in DTYPES.items()}
-    choice = torch.tensor([list(DTYPES).index(max(speeds, key=speeds.get))])
-    if world_size > 1:  # a near tie could split the ranks; they must run one dtype
-        dist.broadcast(choice, 0)
-    name = list(DTYPES)[int(choice)]
-    measured = ", ".join(f"{n} {flops / 1e9:.1f}" for n, flops in speeds.items())
-    return dataclasses.replace(args, dtype=name), f"dtype: {name} (auto: {measured} GFLOP/s matmuls here)"
-
-
-def flops_per_token(model: GPT, args: Hyperparameters) -> float:
-    """Training FLOPs per token: 6 per matmul weight (forward + backward), plus attention scores and
-    values over the average window (about half of it, QK^T and AV, forward and backward)."""
-    matmul_weights = sum(p.numel() for name, p in model.named_parameters()
-                         if p.ndim >= 2 and "embed" not in name)
-    attention_layers = sum(block.attn is not None for block in model.blocks)
-    avg_keys = min(args.window_tokens, args.seq_len) / 2
-    return 6 * matmul_weights + 12 * attention_layers * args.num_heads * args.head_dim * avg_keys
-
-
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        # A rank that dies is noticed by torchrun, which stops the others; the timeout bounds the
-        # wait of a rank whose peer hangs without dying.
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
-        else:
-            dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    return rank, world_size, device
-
-
-CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
-
-
-def save_checkpoint(path: Path, model: GPT, optimizers, step: int, stream: TokenStream, args: Hyperparameters,
-                    clock: dict):
-    """Written to a temporary file and renamed: a final name never holds a partial checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = dict(step=step, model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
-                 data=stream.state_dict(), hyperparameters=dataclasses.asdict(args), clock=clock)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def check_writable(folder: Path, option: str):
-    """Fails now, naming the option, rather than after training when the first file is saved."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--{option}={folder}: cannot write there ({e.strerror or e}); pick a writable folder") from None
-
-
-def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
-    """The checkpoint of run_id with the highest step, for --resume=latest."""
-    if not run_id:
-        raise ConfigError("--resume=latest needs --run_id=<the run to continue>")
-    found = sorted(Path(checkpoint_dir, run_id).glob("step_*.pt"))
-    if not found:
-        raise ConfigError(f"--resume=latest: no checkpoints in {Path(checkpoint_dir, run_id)}; "
-                          f"check --run_id and --checkpoint_dir")
-    return found[-1]  # step numbers are zero-padded, so the names sort by step
-
-
-def read_checkpoint(path: Path) -> dict:
-    """A checkpoint written by save_checkpoint, loaded to CPU without running any pickled code."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such checkpoint") from None
-    except Exception as e:  # unpickling raises many types; any of them means the same to the user
-        raise ConfigError(f"{path}: not a readable checkpoint of train_gpt.py ({str(e).strip().splitlines()[0]})") from None
-    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
-        raise ConfigError(f"{path}: not a checkpoint of train_gpt.py (it lacks {', '.join(sorted(CHECKPOINT_KEYS))})")
-    return state
-
-
-def check_resumable(state: dict, path: Path, args: Hyperparameters):
-    saved, now = state["hyperparameters"], dataclasses.asdict(args)
-    mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
-                  if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
-    if mismatched:
-        raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
-
-
-def restore_checkpoint(state: dict, model: GPT, optimizers, stream: TokenStream) -> tuple[int, dict]:
-    """Restores the state in place; returns the step and the training clock to continue from."""
-    model.load_state_dict(state["model"])
-    for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
-        optimizer.load_state_dict(optimizer_state)
-    stream.load_state_dict(state["data"])
-    return state["step"], state["clock"]
-
-
-class Preempted(Exception):
-    """The run stopped on a signal after an optimizer step; the message says how to resume."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.exit_code = 128 + signum  # the shell's convention for a process ended by that signal
-
-
-class StopSignals:
-    """SIGTERM (what SLURM and cloud preemption send) and SIGINT (Ctrl-C) let the current optimizer step
-    finish instead of killing it; the training loop then saves a checkpoint and stops. Repeats are
-    ignored (a launcher may forward the signal the process already got); SIGKILL ends a run at once.
-    Ranks must stop after the same step, so with several processes the flag
-    is agreed on by an all-reduce on a CPU (gloo) group, launched asynchronously at one step and read
-    at the next: no GPU synchronization, and a rank's CPU never waits on a slower rank for it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, world_size: int):
-        self.received = 0
-        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.in_flight = None  # (flag tensor, all-reduce work) launched at the previous check
-
-    def _on_signal(self, signum, frame):
-        self.received = self.received or signum
-
-    def agreed(self) -> int:
-        """The signal every rank stops on (0: none yet); called once per optimizer step on every rank."""
-        if self.group is None:
-            return self.received
-        agreed = 0
-        if self.in_flight is not None:
-            flag, work = self.in_flight
-            work.wait()
-            agreed = int(flag)
-        flag = torch.full((1,), self.received, dtype=torch.int64)
-        self.in_flight = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
-        return agreed
-
-    def close(self):
-        if self.in_flight is not None:
-            self.in_flight[1].wait()
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def configure_cuda_allocator(environ=os.environ) -> str:
-    """Expandable segments let the CUDA caching allocator grow blocks in place instead of fragmenting
-    (the record sets them). Must run before CUDA initializes; a user's own setting wins."""
-    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        if name in environ:
-            return f"{name}={environ[name]} (set by the user)"
-    environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    return "PYTORCH_ALLOC_CONF=expandable_segments:True"
-
-
-@dataclass
-class FastPaths:
-    """The device-dependent choices of a run, made once, each with the reason it is on or off."""
-    fp8: bool
-    attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
-    loss_chunk: int  # GPT.loss_chunk: args.loss_chunk, or 0 with the fp8 lm_head (which has its own op)
-    compile: bool  # args.compile, unless inductor has no C++ compiler to build CPU kernels with
-    deterministic: bool  # torch's deterministic algorithms, so that a run repeats to the bit (CPU)
-    lines: list[str]  # what the log says of each
-
-
-def cpp_compiler_found() -> bool:
-    """Whether torch.compile can build CPU kernels here (inductor searches $CXX, then g++ and clang++)."""
-    from torch._inductor import cpp_builder, exc
-    try:
-        return bool(cpp_builder.get_cpp_compiler())
-    except exc.InvalidCxxCompiler:
-        return False
-
-
-def choose_fast_paths(args: Hyperparameters, device: torch.device, allocator: str, dtype_line: str = "") -> FastPaths:
-    cuda = device.type == "cuda"
-    fp8_ok, fp8_why = fp8_supported(device)
-    fp8 = args.fp8 and fp8_ok
-    loss_chunk = 0 if fp8 else args.loss_chunk
-    compile = args.compile and (cuda or cpp_compiler_found())
-    compile_line = ("on" if compile else "off (compile=false)" if not args.compile
-                    else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)")
-    if not cuda:
-        attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
-    elif compile:
-        attention = "FlexAttention with block-sparse masks, compiled with the model"
-    else:
-        # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
-        attention = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
-    lines = [
-        f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
-        f"attention: {attention}",
-        "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
-                             + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
-        f"compile: {compile_line}",
-        # Inductor's CPU kernels add embedding gradients with atomics, in whatever order threads reach
-        # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
-        "deterministic algorithms: " + ("off (CUDA: the record's kernels)" if cuda else
-                                        "on (a CPU run repeats to the bit at the same thread count, compiled or not)"),
-        f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
-        dtype_line or f"dtype: {args.dtype}",
-        f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
-        f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
-    ]
-    if not cuda:
-        malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
-        lines.append(f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}")
-        lines.append(huge_pages_line(args.dtype))
-    return FastPaths(fp8, "flex" if cuda else "sdpa", loss_chunk, compile, not cuda, lines)
-
-
-def log_header(log: RunLog, source: str, args: Hyperparameters, preset: str, device: torch.device, world_size: int,
-               paths: FastPaths):
-    """The logged source, then what a reader needs to reproduce or compare the run."""
-    log.write_source(source)
-    log(f"python {sys.version.split()[0]} | torch {torch.__version__}"
-        f"{f' | CUDA {torch.version.cuda}' if torch.version.cuda else ''}", console=False)
-    hardware, hardware_details = describe_hardware(device, world_size)
-    log(f"hardware: {hardware}", console=False)
-    if hardware_details:
-        log(hardware_details, console=False)
-    log(f"hyperparameters (preset {preset}):", console=False)
-    for name, value in dataclasses.asdict(args).items():
-        log(f"  {name}: {value!r}", console=False)
-    log("fast paths:", console=False)
-    for line in paths.lines:
-        log(f"  {line}", console=False)
-
-
 class Trainer:
     """This rank's model, optimizers and gradient synchronization, and what a run does with them:
     training steps and validation. Identical on every rank after construction."""
 
-    def __init__(self, args: Hyperparameters, rank: int, world_size: int, device: torch.device, paths: FastPaths):
-        self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
-        torch.use_deterministic_algorithms(paths.deterministic)  # process-wide; read when torch.compile builds kernels
-        if paths.deterministic:
+    def __init__(self, args: Hyperparameters, rank: int, world_size: int, plan: DevicePlan):
+        self.args, self.rank, self.world_size, self.device = args, rank, world_size, plan.device
+        torch.use_deterministic_algorithms(plan.deterministic)  # process-wide; read when torch.compile builds kernels
+        if plan.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
-        self.model = build_model(args, max(args.seq_len, args.val_seq_len), paths.attention).to(device)
-        for table in [self.model.embed, *self.model.value_embeds]:
-            table.to(DTYPES[args.dtype])
-        self.model.lm_head.use_fp8 = paths.fp8
-        self.model.loss_chunk = paths.loss_chunk
+        self.model = build_model(args, max(args.seq_len, args.val_seq_len), plan).to(plan.device)
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
-        self.optimizers = build_optimizers(self.model, args, rank, world_size)
+        self.optimizers = build_optimizers(self.model, args, rank, world_size, plan.compile_muon)
         self.muon = self.optimizers[1]
         # The training step only calls wait_for_gradients(); the hooks do the rest during backward.
         self.buckets = None
@@ -1666,15 +1286,15 @@ class Trainer:
                                            world_size, torch.float64 if args.exact_grad_sum else None)
         self.grad_accum_steps = args.batch_slots // world_size
         # AOTAutograd's cache skips graphs with an autograd.Function unless allowed; ChunkedSoftcapLoss
-        # keeps no state outside its saved tensors, and a cached graph starts the cpu preset ~5 s sooner.
+        # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
-        self.compiled = torch.compile(self.model, dynamic=False) if paths.compile else self.model
+        self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
         # Every window size of the run as a device tensor, made once: one built from a Python int at
         # each step would be a blocking host-to-device copy on CUDA.
-        self.windows = {w: torch.tensor(w, dtype=torch.int32, device=device)
+        self.windows = {w: torch.tensor(w, dtype=torch.int32, device=plan.device)
                         for w in {window_blocks(step, args) for step in range(args.num_iterations + 1)}}
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
-        self.nonfinite_step = torch.full((), -1, device=device, dtype=torch.int64)
+        self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
 
     def describe(self) -> list[str]:
         args, model, buckets = self.args, self.model, self.buckets
@@ -1742,6 +1362,8 @@ class Trainer:
         self.model.train()
         if self.world_size > 1:
             dist.all_reduce(total)
+        if not math.isfinite(float(total)):
+            raise FloatingPointError(f"validation loss is non-finite at step {step}")
         return float(total) / len(val_sequences)
 
     def warm_up(self, first_step: int):
@@ -1763,20 +1385,36 @@ class Trainer:
             torch.cuda.synchronize()
 
 
-@dataclass
-class TrainingClock:
-    """Training time excludes validation, checkpoints and the warm-up steps (which compile), as in the
-    speedrun logs; without warm-up steps (the cpu preset) the first step compiles on the clock. Validation
-    is timed apart, for the final report."""
-    training_ms: float = 0.0
-    timed_steps: int = 0
-    first_step_ms: float = 0.0  # step 1, which compiles (with compile on and no warm-up steps); 0 once resumed
-    validation_ms: float = 0.0  # all validations so far (off the training clock)
-    validations: int = 0  # how many that time covers
+
+CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
 
 
-def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: RunLog, run_id: str,
-                  start_step: int, clock: TrainingClock, stop: StopSignals, argv: list[str]) -> tuple[dict, dict, list[Path]]:
+def checkpoint_state(trainer: Trainer, step: int, stream: TokenStream, clock: support.TrainingClock) -> dict:
+    return dict(step=step, model=trainer.model.state_dict(), optimizers=[o.state_dict() for o in trainer.optimizers],
+                data=stream.state_dict(), hyperparameters=dataclasses.asdict(trainer.args),
+                clock=dataclasses.asdict(clock))
+
+
+def restore_checkpoint(state: dict, trainer: Trainer, stream: TokenStream) -> tuple[int, dict]:
+    """Restores the state in place; returns the step and the training clock to continue from."""
+    trainer.model.load_state_dict(state["model"])
+    for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
+        optimizer.load_state_dict(optimizer_state)
+    stream.load_state_dict(state["data"])
+    return state["step"], state["clock"]
+
+
+def check_resumable(state: dict, path: Path, args: Hyperparameters):
+    saved, now = state["hyperparameters"], dataclasses.asdict(args)
+    mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
+                  if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    if mismatched:
+        raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
+
+
+def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: support.RunLog, run_id: str,
+                  start_step: int, clock: support.TrainingClock, stop: support.StopSignals,
+                  argv: list[str]) -> tuple[dict, dict, list[Path]]:
     """Steps start_step..num_iterations with validation, logging and checkpoints on schedule; returns
     (val_losses, train_losses, checkpoints). Raises Preempted after the step in which a signal came."""
     args, rank, world_size = trainer.args, trainer.rank, trainer.world_size
@@ -1786,10 +1424,11 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         trainer.synchronize()
         clock.training_ms += 1000 * (time.perf_counter() - t0)
 
-    def save(step: int):
-        checkpoints.append(Path(args.checkpoint_dir) / run_id / f"step_{step:06d}.pt")
+    def save(step: int) -> Path:
+        checkpoints.append(support.checkpoint_path(args.checkpoint_dir, run_id, step))
         if rank == 0:
-            save_checkpoint(checkpoints[-1], trainer.model, trainer.optimizers, step, stream, args, dataclasses.asdict(clock))
+            support.write_checkpoint(checkpoints[-1], checkpoint_state(trainer, step, stream, clock))
+        return checkpoints[-1]
 
     trainer.synchronize()
     t0 = time.perf_counter()
@@ -1802,8 +1441,6 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             val_losses[step] = trainer.validate(step, val_sequences)
             clock.validation_ms += 1000 * (time.perf_counter() - validation_start)
             clock.validations += 1
-            if not math.isfinite(val_losses[step]):
-                raise FloatingPointError(f"validation loss is non-finite at step {step}")
             log(f"step:{step}/{args.num_iterations} val_loss:{val_losses[step]:.4f} train_time:{clock.training_ms:.0f}ms "
                 f"step_avg:{clock.training_ms / max(clock.timed_steps, 1):.2f}ms")
             trainer.synchronize()
@@ -1829,111 +1466,74 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         signum = stop.agreed()
         if signum:
             pause_clock()
-            raise Preempted(signum, stopped_after(signal.Signals(signum).name, step + 1, save, checkpoints, run_id, argv,
-                                                  trainer.world_size, log))
+            raise support.stopped_after(signum, step + 1, save, checkpoints, run_id, argv, world_size, log)
     if args.save_checkpoint:
         save(args.num_iterations)
     return val_losses, train_losses, checkpoints
 
 
-def stopped_after(signal_name: str, step: int, save, checkpoints: list[Path], run_id: str, argv: list[str],
-                  world_size: int, log: RunLog) -> str:
-    """Saves a checkpoint of the finished step where possible and says how to resume from it."""
-    path = next((p for p in reversed(checkpoints) if p.name == f"step_{step:06d}.pt"), None)
-    if path is None:
-        try:
-            save(step)
-            path = checkpoints[-1]
-        except OSError as e:
-            message = f"{signal_name} after step {step}: no checkpoint saved ({e.strerror or e}); the run cannot be resumed from here"
-            log(message)
-            return message
-    kept = [a for a in argv if not a.startswith(("--resume", "--run_id"))]
-    launcher = ["torchrun", "--standalone", f"--nproc_per_node={world_size}"] if world_size > 1 else ["python"]
-    command = shlex.join([*launcher, "train_gpt.py", *kept, f"--run_id={run_id}", f"--resume={path}"])
-    log(f"stopped by {signal_name} after step {step}; checkpoint: {path}")
-    return f"stopped by {signal_name} after step {step}; resume with: {command}"
-
-
-def final_report(log: RunLog, trainer: Trainer, clock: TrainingClock, val_losses: dict, val_entropy: float,
-                 checkpoints: list[Path], peak: tuple[float, str]):
+def final_report(log: support.RunLog, trainer: Trainer, clock: support.TrainingClock, val_losses: dict,
+                 val_entropy: float, checkpoints: list[Path], peak: tuple[float, str]):
     """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory."""
-    args, device, world_size = trainer.args, trainer.device, trainer.world_size
+    args, buckets = trainer.args, trainer.buckets
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
-    peak_flops, peak_source = peak
-
-    def throughput(steps: int, ms: float) -> str:
-        tokens_per_second = steps * args.batch_slots * args.seq_len / max(ms / 1000, 1e-9)
-        achieved = flops_per_token(trainer.model, args) * tokens_per_second
-        return (f"{tokens_per_second:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, "
-                f"MFU {100 * achieved / (peak_flops * world_size):.1f}%")
-
-    log(f"throughput: {throughput(clock.timed_steps, clock.training_ms)} of {world_size} x {peak_source}")
-    if clock.timed_steps > 1 and clock.first_step_ms:
-        # the training step's own rate, without the first step's compilation
-        log(f"throughput after step 1, which took {clock.first_step_ms / 1000:.1f} s: "
-            f"{throughput(clock.timed_steps - 1, clock.training_ms - clock.first_step_ms)}")
-    if trainer.buckets is not None:
-        log(f"gradient buckets: {len(trainer.buckets.buckets)}, all-reduces per bucket {trainer.buckets.reductions} "
-            f"over {trainer.buckets.steps} synchronized steps", console=False)
+    for line in clock.throughput_lines(args.batch_slots * args.seq_len, support.flops_per_token(trainer.model, args),
+                                       peak, trainer.world_size):
+        log(line)
+    if buckets is not None:
+        log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "
+            f"over {buckets.steps} synchronized steps", console=False)
     log(f"validation, off the training clock: {clock.validations} x {args.val_tokens:,} tokens in {clock.validation_ms / 1000:.1f} s")
     final = val_losses[args.num_iterations]
     log(f"final val loss {final:.4f} nats vs {val_entropy:.4f} for the validation tokens' unigram entropy: "
         f"{val_entropy - final:.4f} nats below")
-    log(peak_memory_line(device))
+    log(support.peak_memory_line(trainer.device))
 
 
-def log_path_for(log_dir: Path, run_id: str, resuming: bool) -> tuple[Path, Path | None]:
-    """logs/<run_id>.txt; a resumed run whose log exists continues in <run_id>.resume<N>.txt, naming
-    the newest log before it. Returns (path, the log it continues or None)."""
-    path = log_dir / f"{run_id}.txt"
-    if not resuming or not path.exists():
-        return path, None
-    n = 1
-    while (log_dir / f"{run_id}.resume{n}.txt").exists():
-        path, n = log_dir / f"{run_id}.resume{n}.txt", n + 1
-    return log_dir / f"{run_id}.resume{n}.txt", path
+# ------------------------------------------------------------------------------------------------
+# Main
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input."""
-    source = Path(__file__).read_text()  # logged first, so every run carries its exact code
+    sources = support.logged_sources([Path(__file__), Path(support.__file__)])  # every run logs its exact code
     argv = sys.argv[1:] if argv is None else argv
     allocator = configure_cuda_allocator()  # before anything touches CUDA
     rank, world_size, device = setup_distributed()
-    settle_vector_math()  # before resolve_dtype and matmul_peak multiply on the CPU
     args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
     check_hyperparameters(args, world_size)
-    args, dtype_line = resolve_dtype(args, device, world_size)
+    plan = plan_device(args, device, allocator)
+    args = dataclasses.replace(args, dtype=plan.dtype)  # logs and checkpoints name the dtype that ran
+    if plan.settle_vector_math:
+        settle_vector_math()  # before the first matmul: the MFU peak's
     # Data problems surface before anything is written.
-    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size)
+    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size, plan.pinned_memory)
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
-    if device.type == "cuda":
+    if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()
     run_id = args.run_id or str(uuid.uuid4())
     # Every path the run will write or read is checked before the log exists and before training.
-    resume_from = latest_checkpoint(args.checkpoint_dir, args.run_id) if args.resume == "latest" else Path(args.resume)
-    checkpoint = read_checkpoint(resume_from) if args.resume else None
+    resume_from = support.latest_checkpoint(args.checkpoint_dir, args.run_id) if args.resume == "latest" else Path(args.resume)
+    checkpoint = support.read_checkpoint(resume_from, CHECKPOINT_KEYS) if args.resume else None
     if checkpoint is not None:
         check_resumable(checkpoint, resume_from, args)
     if args.save_checkpoint or args.checkpoint_every:
-        check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
-    log_path, continues = log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
-    log = RunLog(log_path if rank == 0 else None)
-    stop = StopSignals(world_size)
+        support.check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
+    log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
+    log = support.RunLog(log_path if rank == 0 else None)
+    stop = support.StopSignals(world_size)
     try:
-        paths = choose_fast_paths(args, device, allocator, dtype_line)
-        log_header(log, source, args, preset, device, world_size, paths)
-        peak = matmul_peak(device, DTYPES[args.dtype])
+        log.header(sources, args, preset, device, world_size, plan.lines)
+        peak = support.matmul_peak(device, DTYPES[args.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)
-        trainer = Trainer(args, rank, world_size, device, paths)
+        trainer = Trainer(args, rank, world_size, plan)
         for line in trainer.describe():
             log(line, console=False)
-        start_step, clock = 0, TrainingClock()
+        start_step, clock = 0, support.TrainingClock()
         if checkpoint is not None:
-            start_step, saved_clock = restore_checkpoint(checkpoint, trainer.model, trainer.optimizers, stream)
-            clock = TrainingClock(**{**saved_clock, "first_step_ms": 0.0})  # this process compiles again, later
+            start_step, saved_clock = restore_checkpoint(checkpoint, trainer, stream)
+            clock = support.TrainingClock(**{**saved_clock, "first_step_ms": 0.0})  # this process compiles again, later
             del checkpoint
             log(f"resumed from {resume_from} at step {start_step}" + (f"; continues the log {continues}" if continues else ""))
         if args.warmup_steps:
@@ -1960,7 +1560,7 @@ if __name__ == "__main__":
     except (ConfigError, DataError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except Preempted as e:
+    except support.Preempted as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(e, file=sys.stderr)
         sys.exit(e.exit_code)

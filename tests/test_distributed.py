@@ -65,7 +65,7 @@ class Run:
         return self.logs[0].read_text()
 
     def val_losses(self) -> dict[int, float]:
-        body = self.log.split(train_gpt.SEPARATOR, 1)[1]  # after the logged source
+        body = self.log.split(train_gpt.support.SEPARATOR, 1)[1]  # after the logged source
         return {int(m[1]): float(m[3]) for m in VAL_LINE.finditer(body)}
 
     def params(self) -> dict[str, torch.Tensor]:

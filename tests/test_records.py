@@ -58,6 +58,7 @@ def runs(tmp_path_factory):
     edited_dir = tmp / "edited"
     edited_dir.mkdir()
     (edited_dir / "train_gpt.py").write_text(source.replace(old + "\n", new + "\n", 1))
+    (edited_dir / "run_support.py").write_text((ROOT / "run_support.py").read_text())  # imported beside it
 
     logs = tmp / "logs"
     data = [f"--train_files={tmp}/tiny_train_*.bin", f"--val_files={tmp}/tiny_val_*.bin", f"--log_dir={logs}"]
@@ -94,7 +95,7 @@ def runs(tmp_path_factory):
              for line in body.splitlines() if line.startswith("step:")]
     paths["fork"].write_text(base_text.split(SEP + "\n", 1)[0] + SEP + "\nRunning Python 3.12\nRunning PyTorch 2.9\n"
                              "| NVIDIA H100 80GB HBM3 |\n" + SEP + "\n" + "\n".join(steps) + "\n")
-    return dict(paths=paths, tmp=tmp, old=old, new=new)
+    return dict(paths=paths, tmp=tmp, old=old, new=new, data=data)
 
 
 def _changed(lines: list[str]) -> list[str]:
@@ -238,6 +239,75 @@ def test_check_against_the_current_train_gpt(runs, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert _changed(lines) == ["-" + runs["old"], "+" + runs["new"]]
     assert records.main(["check", str(p["no_source"])]) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# logged sources: train_gpt.py and its companion, or train_gpt.py alone in older logs
+
+RECORD_LOG = ROOT / "records" / "track_cpu" / "2026-11-25_AdamLrHalf" / "cpu_seed0.txt"  # train_gpt.py alone
+LOSSES = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport train_gpt\n"
+          "r = train_gpt.main(json.loads(sys.argv[2]))\n"
+          "print(json.dumps({k: {s: float(v).hex() for s, v in r[k].items()} for k in ('train_losses', 'val_losses')}))")
+
+
+def test_a_log_holds_train_gpt_then_its_companion(runs):
+    log = records.parse_log(runs["paths"]["base"])
+    assert list(log.sources) == ["train_gpt.py", "run_support.py"]
+    for name, text in log.sources.items():
+        assert text == (ROOT / name).read_text()
+
+
+def test_older_logs_hold_train_gpt_alone_and_every_command_reads_them(runs, tmp_path, capsys):
+    log = records.parse_log(RECORD_LOG)
+    assert list(log.sources) == ["train_gpt.py"] and log.sources["train_gpt.py"] == log.source
+    assert "class Hyperparameters" in log.source and log.final.step == log.final.total
+    assert records.main(["diff", str(RECORD_LOG), str(runs["paths"]["base"])]) == 0
+    out = capsys.readouterr().out
+    assert f"+++ {runs['paths']['base']} (run_support.py)" in out  # the companion is new on the right
+    assert "--- /dev/null" not in out and f"--- {RECORD_LOG} (train_gpt.py)" in out
+    assert records.main(["check", str(RECORD_LOG)]) == 1  # an older train_gpt.py, compared alone
+    assert f"{RECORD_LOG} (train_gpt.py)" in capsys.readouterr().out
+    assert records.main(["stats", str(RECORD_LOG.parent)]) == 0
+    assert "n: 5" in capsys.readouterr().out
+    assert records.main(["plot", str(RECORD_LOG), "-o", str(tmp_path / "p.png")]) == 0
+    assert records.main(["list", "track_cpu", "--records-dir", str(ROOT / "records")]) == 0
+
+
+def test_source_writes_a_log_back_out_and_it_runs_to_the_same_bits(runs, tmp_path, capsys):
+    """The files written from the base run's log, run with its hyperparameters, give the losses the
+    log holds, and bit for bit those of the current train_gpt.py (same threads, one process each)."""
+    out = tmp_path / "from_log"
+    assert records.main(["source", str(runs["paths"]["base"]), str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["run_support.py", "train_gpt.py"]
+    for name in ("train_gpt.py", "run_support.py"):
+        assert (out / name).read_text() == (ROOT / name).read_text()
+    assert records.main(["source", str(runs["paths"]["base"]), str(out)]) == 2  # never over existing files
+    assert "exists; pick an empty folder" in capsys.readouterr().err
+    argv = [*TINY, "--seed=0", "--num_iterations=3", *runs["data"]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    losses = {}
+    for where, folder in (("logged", out), ("current", ROOT)):
+        run_argv = [*argv, f"--log_dir={tmp_path / where}", "--run_id=again"]
+        proc = subprocess.run([sys.executable, "-c", LOSSES, str(folder), json.dumps(run_argv)], cwd=runs["tmp"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[where] = json.loads(proc.stdout.splitlines()[-1])
+    assert losses["logged"] == losses["current"]
+    logged = re.findall(r"^step:(\d+)/3 val_loss:(\S+)", runs["paths"]["base"].read_text(), re.M)
+    assert [(int(s), float(v)) for s, v in logged] == [
+        (int(s), round(float.fromhex(v), 4)) for s, v in losses["logged"]["val_losses"].items()]
+
+
+def test_an_older_record_log_writes_out_a_source_that_runs(runs, tmp_path):
+    out = tmp_path / "record"
+    assert records.main(["source", str(RECORD_LOG), str(out)]) == 0
+    assert [p.name for p in out.iterdir()] == ["train_gpt.py"]
+    proc = subprocess.run([sys.executable, str(out / "train_gpt.py"), *TINY, "--num_iterations=2", "--compile=false",
+                           *runs["data"], f"--log_dir={tmp_path / 'logs'}", "--run_id=record"], cwd=runs["tmp"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^step:2/2 val_loss:\d+\.\d+ ", proc.stdout, re.M)
+    assert records.parse_log(tmp_path / "logs" / "record.txt").sources == records.parse_log(RECORD_LOG).sources
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Generation (tools/sample.py and GPT.next_token_logits): the KV cache against the full forward,
-sampling, the chunked validation loss, and the tool's handling of bad checkpoints."""
+"""Generation (tools/sample.py: next_token_logits, through the model's cache hook): the KV cache against
+the full forward, sampling, the chunked validation loss, and the tool's handling of bad checkpoints."""
 
 import copy
 import math
@@ -93,11 +93,11 @@ def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
     while len(walk) < 200:
         walk.append(int(successor[walk[-1]]))
     prompt = [EOT, *walk[:90], EOT, *walk[90:]]  # a second document from position 91
-    cache, new, sequence = train_gpt.KVCache(model.num_layers), torch.tensor(prompt), list(prompt)
+    cache, new, sequence = sample.KVCache(model.num_layers), torch.tensor(prompt), list(prompt)
     with torch.no_grad():
         for _ in range(80):
-            cached = model.next_token_logits(new, window, cache)
-            full = model.next_token_logits(torch.tensor(sequence), window)
+            cached = sample.next_token_logits(model, new, window, cache)
+            full = sample.next_token_logits(model, torch.tensor(sequence), window)
             torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)  # measured 2e-6 apart
             top2 = full.topk(2).values
             assert top2[0] - top2[1] > 1e-2  # no near-tie that float32 rounding could flip
@@ -107,7 +107,7 @@ def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
         # the windows cut the prefix: another window would have given other logits
         prefix = torch.tensor(sequence)
         for other in (1, 4):
-            assert (model.next_token_logits(prefix, other) - full).abs().max() > 1e-2
+            assert (sample.next_token_logits(model, prefix, other) - full).abs().max() > 1e-2
     generated = sequence[len(prompt):]
     assert len(set(generated)) > 10  # the model walks the cycle, not one token
     assert list(sample.generate(model, prompt, 80, window, temperature=0)) == generated
@@ -149,11 +149,11 @@ def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomi
         table.to(torch.bfloat16)
     cast_once = sample.in_dtype(copy.deepcopy(randomized_gpt), torch.bfloat16)
     assert cast_once.lm_head.weight.dtype == torch.bfloat16 and cast_once.scalars.dtype == torch.float32
-    caches = [train_gpt.KVCache(4), train_gpt.KVCache(4)]
+    caches = [sample.KVCache(4), sample.KVCache(4)]
     with torch.no_grad():
         for tokens in ([EOT, *range(100, 150)], [7], [8], [EOT], [9]):
             tokens = torch.tensor(tokens)
-            logits = [model.next_token_logits(tokens, 2, cache) for model, cache in zip((training_layout, cast_once), caches)]
+            logits = [sample.next_token_logits(model, tokens, 2, cache) for model, cache in zip((training_layout, cast_once), caches)]
             assert torch.equal(logits[0], logits[1])
 
 
@@ -166,13 +166,13 @@ def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(randomized_gpt
     tokens = torch.randint(0, EOT, (400,), generator=g)
     tokens[[0, 100, 230, 300]] = EOT
     model = randomized_gpt
-    cache, fed = train_gpt.KVCache(model.num_layers), 0
+    cache, fed = sample.KVCache(model.num_layers), 0
     with torch.no_grad():
         for piece in (1, 127, 12, 100, 160):
-            cached = model.next_token_logits(tokens[fed:fed + piece], window, cache)
+            cached = sample.next_token_logits(model, tokens[fed:fed + piece], window, cache)
             fed += piece
             assert len(cache) == fed
-            full = model.next_token_logits(tokens[:fed], window)
+            full = sample.next_token_logits(model, tokens[:fed], window)
             torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
 
 

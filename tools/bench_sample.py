@@ -27,7 +27,8 @@ import train_gpt
 def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int]:
     """A model of the preset's shape at its end-of-training window, with random weights everywhere
     (the zero-initialized output layers too, so the greedy tokens vary)."""
-    args, _ = train_gpt.resolve_dtype(train_gpt.Hyperparameters(**train_gpt.PRESETS[preset]), device, 1)
+    args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
+    args = train_gpt.dataclasses.replace(args, dtype=train_gpt.plan_device(args, device).dtype)
     torch.manual_seed(0)
     model = train_gpt.build_model(args, max(args.seq_len, args.val_seq_len))
     with torch.no_grad():
@@ -43,7 +44,7 @@ def every_position_generation(model: train_gpt.GPT, window: int, tokens: int):
     """Greedy generation through the training forward's computation: logits at every position."""
     sequence = torch.tensor([train_gpt.EOT_TOKEN], device=model.embed.weight.device)
     for _ in range(tokens):
-        padded = train_gpt.pad_to_blocks(sequence)
+        padded = sample.pad_to_blocks(sequence)
         x = model.trunk(padded, train_gpt.attention_masks(padded, window, model.attention_backend))
         logits = model.softcapped_logits(x[0])[sequence.numel() - 1, :model.embed.num_embeddings]
         token = int(logits.argmax())

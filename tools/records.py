@@ -4,10 +4,12 @@
     python tools/records.py diff A B                       source (then hyperparameters) diff of two logs or record folders
     python tools/records.py stats PATH... [--target X]     final val losses, mean, std, one-sided t-test p-value
     python tools/records.py plot PATH... -o FILE.png       val loss against training time and against step
-    python tools/records.py check LOG                      is LOG's source exactly the current train_gpt.py?
+    python tools/records.py check LOG                      is LOG's source exactly the current train_gpt.py (and companion)?
+    python tools/records.py source LOG DIR                 write the files LOG ran into DIR, to run them again
     python tools/records.py submit LOG... --track T --name NAME [--date YYYY-MM-DD]
 
-A log is what train_gpt.py writes to logs/<run_id>.txt: the exact source, a line of 100 '=', the
+A log is what train_gpt.py writes to logs/<run_id>.txt: the exact source of train_gpt.py, then that
+of each file it logs after it (run_support.py), each after a header naming it; a line of 100 '=', the
 environment, the hyperparameters, then speedrun step lines such as
     step:1770/1770 val_loss:3.2794 train_time:178412ms step_avg:100.80ms
 Only the step-line fields are needed, so logs of other speedrun forks work too. A run's final val
@@ -36,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the repository: train_gpt.py and records/ live here
 DEFAULT_RECORDS_DIR = ROOT / "records"
 SEPARATOR = "=" * 100  # train_gpt.py writes it after the source
+SECTION_RULE = "-" * 40  # before and after the "# NAME" line that starts each logged file after the first
+FIRST_FILE = "train_gpt.py"  # the logged source's first file (older logs hold only it)
 
 P_THRESHOLD = 0.01  # the rules: mean final val loss below the target with p < 0.01 (one-sided t-test)
 CPU_TARGET = 5.43  # track_cpu's target: one nat below the unigram entropy (6.4312) of its val tokens
@@ -90,6 +94,7 @@ class ValPoint:
 class Log:
     path: Path
     source: str | None  # everything before the first separator line; None when there is none
+    sources: dict[str, str]  # the files source holds, by name, train_gpt.py first (split_sources)
     header: list[str]  # environment lines after the separator: versions, hardware
     preset: str | None
     hparam_lines: list[str]  # the "hyperparameters (preset P):" line and its "  name: value" lines
@@ -118,6 +123,10 @@ class Log:
                                f"is this a train_gpt.py log?")
         return self.source
 
+    def require_sources(self) -> dict[str, str]:
+        self.require_source()
+        return self.sources
+
 
 def labels(logs: list[Log]) -> list[str]:
     """Each log's label; a label shared by several logs gets its folder name in front."""
@@ -133,6 +142,20 @@ def literal_or_none(text: str | None):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return None
+
+
+def split_sources(source: str) -> dict[str, str]:
+    """The files a logged source holds, by name: train_gpt.py first, then each file it logged after
+    itself, which begins after a blank line, SECTION_RULE, "# NAME", SECTION_RULE and a blank line."""
+    lines = source.splitlines(keepends=True)
+    stripped = [line.rstrip("\r\n") for line in lines]
+    starts = [i for i in range(1, len(lines) - 3)
+              if stripped[i] == stripped[i + 2] == SECTION_RULE and stripped[i + 1].startswith("# ")
+              and not stripped[i - 1] and not stripped[i + 3]]
+    names = [FIRST_FILE] + [stripped[i + 1][2:] for i in starts]
+    begins = [0] + [i + 4 for i in starts]  # each file's first line
+    ends = [i - 1 for i in starts] + [len(lines)]  # past its last line: the blank line before the next header
+    return {name: "".join(lines[begin:end]) for name, begin, end in zip(names, begins, ends)}
 
 
 def parse_log(path: Path) -> Log:
@@ -184,7 +207,8 @@ def parse_log(path: Path) -> Log:
             resumed = True
         else:
             cpu_env += [setting for prefix, env in CPU_ENV_SETTINGS.items() if line.startswith(prefix) for setting in env]
-    return Log(path, source, header, preset, hparam_lines, hparams, vals, world_size, cpu_env, resumed)
+    sources = split_sources(source) if source is not None else {}
+    return Log(path, source, sources, header, preset, hparam_lines, hparams, vals, world_size, cpu_env, resumed)
 
 
 def parse_loss(text: str) -> float:
@@ -380,7 +404,7 @@ def command_lines(logs: list[Log]) -> list[str]:
         return ["The logs name no preset; their hyperparameters:", "", "```",
                 *first.hparam_lines[1:], "```"]
     try:
-        base = preset_values(first.require_source(), first.preset)
+        base = preset_values(first.require_sources()[FIRST_FILE], first.preset)
     except (ValueError, TypeError, SyntaxError, ArithmeticError, RecursionError) as e:
         return [f"(could not read preset {first.preset!r} from the logged source: {e}) The hyperparameters:",
                 "", "```", *first.hparam_lines, "```"]
@@ -513,13 +537,16 @@ def cmd_list(args) -> int:
 
 def cmd_diff(args) -> int:
     a, b = parse_log(first_log(args.a)), parse_log(first_log(args.b))
-    source_a, source_b = a.require_source(), b.require_source()
+    sources_a, sources_b = a.require_sources(), b.require_sources()
     color = use_color(args.color)
-    if source_a == source_b:
-        print(f"sources are identical ({len(source_a.splitlines())} lines)")
-    else:
-        print_diff(difflib.unified_diff(source_a.splitlines(), source_b.splitlines(),
-                                        f"{a.path} (source)", f"{b.path} (source)", lineterm=""), color)
+    if sources_a == sources_b:
+        print(f"sources are identical ({sum(len(text.splitlines()) for text in sources_a.values())} lines in "
+              f"{', '.join(sources_a)})")
+    for name in [*sources_a, *(n for n in sources_b if n not in sources_a)]:
+        old, new = sources_a.get(name, ""), sources_b.get(name, "")
+        if old != new:
+            print_diff(difflib.unified_diff(old.splitlines(), new.splitlines(), f"{a.path} ({name})",
+                                            f"{b.path} ({name})", lineterm=""), color)
     print()
     missing = [str(log.path) for log in (a, b) if not log.hparam_lines]
     if missing:
@@ -624,25 +651,50 @@ def cmd_plot(args) -> int:
 
 def cmd_check(args) -> int:
     log = parse_log(Path(args.log))
-    source = log.require_source()
     script = Path(args.script)
-    try:
-        current = script.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise RecordsError(f"{script}: cannot read ({e.strerror or e})") from None
-    if not current.endswith("\n"):
-        current += "\n"  # train_gpt.py logs its source with a final newline
-    if source == current:
-        print(f"{log.path}: source is exactly {script}")
+    # the first logged file against --script, the files logged after it against their namesakes beside it
+    files = {name: script if name == FIRST_FILE else script.parent / name for name in log.require_sources()}
+    diff = []
+    for name, path in files.items():
+        try:
+            current = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise RecordsError(f"{path}: cannot read ({e.strerror or e})") from None
+        if not current.endswith("\n"):
+            current += "\n"  # train_gpt.py logs each source with a final newline
+        diff += difflib.unified_diff(current.splitlines(), log.sources[name].splitlines(), f"{path}",
+                                     f"{log.path} ({name})", n=1, lineterm="")
+    if not diff:
+        print(f"{log.path}: source is exactly {', '.join(map(str, files.values()))}")
         return 0
-    print(f"{log.path}: source differs from {script}:")
-    diff = list(difflib.unified_diff(current.splitlines(), source.splitlines(), f"{script}",
-                                     f"{log.path} (source)", n=1, lineterm=""))
+    print(f"{log.path}: source differs from {', '.join(map(str, files.values()))}:")
     limit = 40
     print_diff(diff[:limit], use_color(args.color))
     if len(diff) > limit:
         print(f"... {len(diff) - limit} more diff lines (tools/records.py diff shows them all)")
     return 1
+
+
+def cmd_source(args) -> int:
+    """Writes each file the log holds into DIR under its own name, never over an existing file."""
+    log = parse_log(Path(args.log))
+    sources = log.require_sources()
+    folder = Path(args.dir)
+    taken = [str(folder / name) for name in sources if (folder / name).exists()]
+    if taken:
+        raise RecordsError(f"{', '.join(taken)} exists; pick an empty folder for {log.path}'s source")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in sources.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, folder / name)
+    except OSError as e:
+        raise RecordsError(f"{folder}: cannot write there ({e.strerror or e})") from None
+    print(f"wrote {', '.join(str(folder / name) for name in sources)}; run them from the repository root with "
+          f"python {folder / FIRST_FILE} and the logged hyperparameters")
+    return 0
 
 
 def diff_stat(old: str, new: str) -> tuple[int, int, int]:
@@ -675,9 +727,12 @@ def previous_record_note(track_dir: Path, folder_name: str, source: str) -> str:
         return f"The previous record, `{rel}`, could not be compared: {e}"
     if prev_source == source:
         return f"The source is identical to that of the previous record, `{rel}`."
-    added, removed, hunks = diff_stat(prev_source, source)
-    return (f"Source diff against the previous record, `{rel}`: train_gpt.py, {added} insertion(s)(+), "
-            f"{removed} deletion(s)(-) in {hunks} hunk(s); "
+    prev_files, files = split_sources(prev_source), split_sources(source)
+    stats = [(name, *diff_stat(prev_files.get(name, ""), files.get(name, "")))
+             for name in [*files, *(n for n in prev_files if n not in files)]]
+    changed = "; ".join(f"{name}, {added} insertion(s)(+), {removed} deletion(s)(-) in {hunks} hunk(s)"
+                        for name, added, removed, hunks in stats if added or removed)
+    return (f"Source diff against the previous record, `{rel}`: {changed}; "
             f"`python tools/records.py diff {rel} records/{track_dir.name}/{folder_name}` shows it.")
 
 
@@ -814,10 +869,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dpi", type=int, default=100, help=f"pixels per inch; the figure is {FIGSIZE[0]:g}x{FIGSIZE[1]:g} in")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("check", parents=[color_opt], help="is a log's source exactly the current train_gpt.py?")
+    p = sub.add_parser("check", parents=[color_opt], help="is a log's source exactly the current train_gpt.py "
+                                                          "(and the files it logs beside it)?")
     p.add_argument("log", metavar="LOG")
-    p.add_argument("--script", default=str(ROOT / "train_gpt.py"), help="compare with this file instead")
+    p.add_argument("--script", default=str(ROOT / "train_gpt.py"), help="compare with this file instead "
+                                                                      "(and its folder's namesakes of the other files)")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("source", help="write the files a log ran (train_gpt.py and run_support.py) into DIR")
+    p.add_argument("log", metavar="LOG")
+    p.add_argument("dir", metavar="DIR", help="a folder holding none of those files yet (made if missing)")
+    p.set_defaults(func=cmd_source)
 
     p = sub.add_parser("submit", parents=[records_opt], help="create records/<track>/<date>_<name>/ from logs")
     p.add_argument("logs", nargs="+", metavar="LOG")

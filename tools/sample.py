@@ -5,7 +5,7 @@
 
 The checkpoint alone describes the model (its hyperparameters are stored in it); the prompt starts a
 new document, as every training document does, so <|endoftext|> goes before it. Generation stops
-at <|endoftext|> or after --max_new_tokens. A KV cache makes each new token one position's forward.
+at <|endoftext|> or after --max_new_tokens. A KV cache (here, fed by the model's cache hook) makes each new token one position's forward.
 """
 
 import time
@@ -28,6 +28,97 @@ import train_gpt
 from gpt2_tokenizer import ENDOFTEXT, TokenizerError, get_gpt2_encoding
 
 EOT = train_gpt.EOT_TOKEN
+PAD_TOKEN = 0  # fills a partial last block: any token but EOT, which would start a document
+
+
+def pad_to_blocks(tokens: torch.Tensor) -> torch.Tensor:
+    padding = train_gpt.next_multiple(tokens.numel(), train_gpt.BLOCK_SIZE) - tokens.numel()
+    return torch.nn.functional.pad(tokens, (0, padding), value=PAD_TOKEN)
+
+
+class LayerCache:
+    """One attention layer's rotated keys and mixed values (1, H, positions, D) for generation, in
+    buffers that double when full (or are made for reserve positions at once), so adding a token
+    copies one position, not the whole history. The attention layer appends to it (its cache hook)."""
+
+    def __init__(self, reserve: int = 0):
+        self.keys = self.values = None
+        self.length, self.reserve = 0, reserve
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds k, v (1, H, T, D) after the cached positions; returns every position's keys and values."""
+        end = self.length + k.size(2)
+        if self.keys is None or end > self.keys.size(2):
+            capacity = max(end, 2 * self.length, train_gpt.BLOCK_SIZE, self.reserve)
+            grown = [t.new_empty(*t.shape[:2], capacity, t.size(3)) for t in (k, v)]
+            if self.keys is not None:
+                grown[0][:, :, :self.length] = self.keys[:, :, :self.length]
+                grown[1][:, :, :self.length] = self.values[:, :, :self.length]
+            self.keys, self.values = grown
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """What next_token_logits() needs to run only new positions: the tokens so far and each layer's
+    keys and values (the attention-free layer's stay empty). Batch size 1, like training.
+    reserve: the positions expected, to hold from the start (a compiled step then sees one buffer size)."""
+
+    def __init__(self, num_layers: int, reserve: int = 0):
+        self.tokens: torch.Tensor | None = None
+        self.layers = [LayerCache(reserve) for _ in range(num_layers)]
+        # attention_masks() rows from masks_start to the end of that block, against keys up to there:
+        # what the next positions use until a document starts (see next_token_logits)
+        self.masks: tuple | None = None
+        self.masks_start, self.masks_window = 0, None
+
+    def __len__(self) -> int:
+        return 0 if self.tokens is None else self.tokens.numel()
+
+    def rewind(self, length: int):
+        """Forgets every position from length on."""
+        self.tokens = self.tokens[:length]
+        for layer in self.layers:
+            layer.length = min(layer.length, length)
+        self.masks = None
+
+
+def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window_blocks, cache: KVCache | None = None) -> torch.Tensor:
+    """The logits (padded vocab,) of the token that follows tokens (T,).
+
+    Without a cache, tokens is the whole sequence and this is the training forward (same trunk,
+    same masks) on the sequence padded to whole blocks with PAD_TOKEN. With a cache, tokens
+    continue the cached ones and only their positions run: each query sees the keys that the
+    whole sequence's masks allow it, and their keys and values join the cache."""
+    n, start = tokens.numel(), 0 if cache is None else len(cache)
+    if start + n > model.max_seq_len:
+        raise ValueError(f"{start + n} positions exceed the model's max_seq_len={model.max_seq_len}")
+    if cache is None:
+        padded = pad_to_blocks(tokens)
+        x = model.trunk(padded, train_gpt.attention_masks(padded, window_blocks, model.attention_backend))
+        return model.softcapped_logits(x[0, n - 1])
+    held = start % train_gpt.BLOCK_SIZE  # cached positions of a block that tokens go on filling
+    if held and bool((tokens[:train_gpt.BLOCK_SIZE - held] == EOT).any()):
+        # A document starting in that block changes which blocks its earlier positions attend
+        # (blocks are the masks' unit), so those positions run again.
+        start -= held
+        tokens = torch.cat([cache.tokens[start:], tokens])
+        cache.rewind(start)
+    seen = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens])
+    end = seen.numel()
+    # Masks are made for the padded sequence up to the end of the last block. Replacing padding
+    # by tokens other than EOT changes no document, so those masks' later rows still hold.
+    if (cache.masks is None or cache.masks_window != window_blocks or end > cache.masks_start + cache.masks[0].size(0)
+            or bool((tokens == EOT).any())):
+        padded = pad_to_blocks(seen)
+        cache.masks = tuple(mask[start:] for mask in train_gpt.attention_masks(padded, window_blocks, "sdpa"))
+        cache.masks_start, cache.masks_window = start, window_blocks
+    rows = slice(start - cache.masks_start, end - cache.masks_start)
+    x = model.trunk(tokens, tuple(mask[rows, :end] for mask in cache.masks), cache)
+    cache.tokens = seen
+    return model.softcapped_logits(x[0, -1])
 
 
 def load_model(path, device: torch.device, min_seq_len: int = 0,
@@ -37,7 +128,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     checkpoint's step. A file that does not hold such a model raises a
     one-line ConfigError naming it."""
     path = Path(path)
-    state = train_gpt.read_checkpoint(path)
+    state = train_gpt.support.read_checkpoint(path, train_gpt.CHECKPOINT_KEYS)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
     max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
@@ -70,8 +161,8 @@ def in_dtype(model: train_gpt.GPT, dtype: torch.dtype) -> train_gpt.GPT:
 
 def generation_layout(model: train_gpt.GPT) -> train_gpt.GPT:
     """On CPU, the lm_head's weight stored transposed (same values and shape): a generated token reads
-    all of it for one position, and x @ W^T streams a contiguous W^T 2.4x faster than the training
-    layout (1.45 against 3.54 ms for the cpu preset's 50304 x 128 on 2 AVX2 cores)."""
+    all of it for one position, and x @ W^T streams a contiguous W^T faster than the training layout
+    (records/track_cpu/README.md, performance notes)."""
     weight = model.lm_head.weight
     if weight.device.type == "cpu":
         weight.data = weight.data.T.contiguous().T
@@ -104,10 +195,10 @@ def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, windo
     decides whether a new document may follow). use_cache=False re-runs the whole prefix each step."""
     device = model.embed.weight.device
     new = sequence = torch.tensor(prompt, dtype=torch.long, device=device)
-    cache = train_gpt.KVCache(model.num_layers, len(prompt) + max_new_tokens) if use_cache else None
+    cache = KVCache(model.num_layers, len(prompt) + max_new_tokens) if use_cache else None
     vocab_size = model.embed.num_embeddings  # the lm_head's padding columns are no tokens
     for _ in range(max_new_tokens):
-        logits = model.next_token_logits(new if use_cache else sequence, window_blocks, cache)
+        logits = next_token_logits(model, new if use_cache else sequence, window_blocks, cache)
         token = choose(logits[:vocab_size], temperature, top_k, generator)
         yield token
         new = torch.tensor([token], device=device)

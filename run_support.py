@@ -1,0 +1,345 @@
+"""What a run of train_gpt.py needs that never changes what it computes: the run log and its reports
+(hardware, memory, throughput and MFU), checkpoint and log files, stop signals and the resume
+command. train_gpt.py logs this file's source after its own, so a log still holds every line that
+ran. This module imports nothing from train_gpt.py.
+"""
+
+import dataclasses
+import os
+import platform
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SEPARATOR = "=" * 100  # ends the logged sources; tools/records.py splits logs on it
+SECTION_RULE = "-" * 40  # each logged file after the first: a blank line, the rule, "# NAME", the rule, a blank line
+THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
+THP_SETTING = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator reads it once, at start-up: 1 or 0
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+PEAK_MEASURE_SECONDS = 1.0  # long enough to average out a thread's warm-up, short beside any run
+PEAK_MEASURE_SIZE = {"cpu": 2048, "cuda": 8192}  # square matmuls on the plateau of each device's speed
+
+
+class ConfigError(ValueError):
+    """A setting, path or checkpoint the run cannot use; the message names it and says what to do."""
+
+
+# ------------------------------------------------------------------------------------------------
+# The run log and what it reports
+
+
+def logged_sources(paths: list[Path]) -> str:
+    """The files' sources as a log begins: the first exactly as it is, each later one after a header
+    naming it (as the upstream repository logs its kernel files)."""
+    parts = []
+    for i, path in enumerate(paths):
+        text = path.read_text()
+        text += "" if text.endswith("\n") else "\n"
+        parts.append(text if i == 0 else f"\n{SECTION_RULE}\n# {path.name}\n{SECTION_RULE}\n\n{text}")
+    return "".join(parts)
+
+
+class RunLog:
+    """Rank 0 writes logs/<run_id>.txt and flushes every line; other ranks write nothing."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.file = path, None
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "x")  # "x": never overwrite another run's log
+            except FileExistsError:
+                raise ConfigError(f"{path} already exists: run_id {path.stem!r} was used before; pick another "
+                                  f"--run_id (logs are never overwritten)") from None
+            except OSError as e:
+                raise ConfigError(f"--log_dir={path.parent}: cannot write the log there ({e.strerror}); "
+                                  f"pick a writable folder") from None
+
+    def __call__(self, message: str, console: bool = True):
+        if self.file is None:
+            return
+        if console:
+            print(message, flush=True)
+        self.file.write(message + "\n")
+        self.file.flush()
+
+    def header(self, sources: str, args, preset: str, device: torch.device, world_size: int, choices):
+        """The logged sources, then what a reader needs to reproduce or compare the run."""
+        if self.file is not None:
+            self.file.write(sources + SEPARATOR + "\n")
+        self(f"python {sys.version.split()[0]} | torch {torch.__version__}"
+             f"{f' | CUDA {torch.version.cuda}' if torch.version.cuda else ''}", console=False)
+        for line in describe_hardware(device, world_size):
+            self(line, console=False)
+        self(f"hyperparameters (preset {preset}):", console=False)
+        for name, value in dataclasses.asdict(args).items():
+            self(f"  {name}: {value!r}", console=False)
+        self("fast paths:", console=False)
+        for line in [*choices, *(cpu_memory_lines(args.dtype) if device.type == "cpu" else [])]:
+            self(f"  {line}", console=False)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def describe_hardware(device: torch.device, world_size: int) -> list[str]:
+    """A summary line that compares across runs, then nvidia-smi's table on CUDA."""
+    if device.type == "cuda":
+        try:
+            details = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            details = f"nvidia-smi unavailable: {e}"
+        return [f"hardware: {world_size}x {torch.cuda.get_device_name(device)}", details]
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return [f"hardware: {world_size}x CPU {model}, {os.cpu_count()} logical cores, "
+            f"torch uses {torch.get_num_threads()} threads per process"]
+
+
+def cpu_memory_lines(dtype: str) -> list[str]:
+    """The memory settings ./run.sh makes for CPU runs, on or off (tools/records.py reads them back)."""
+    malloc = os.environ.get("MALLOC_MMAP_MAX_") == "0"
+    return [f"glibc malloc tuning: {'on' if malloc else 'off (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... not set; ./run.sh sets them)'}",
+            huge_pages_line(dtype)]
+
+
+def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
+    """Whether large CPU tensors get 2 MB pages: with THP_MEM_ALLOC_ENABLE=1, torch's allocator asks
+    the kernel for them (madvise) on tensors of 2 MB or more, which it grants unless its mode is never;
+    in mode always it gives them unasked. They speed up bfloat16 runs and slow float32 ones, so
+    ./run.sh asks in bfloat16 runs only (records/track_cpu/README.md)."""
+    try:
+        mode = mode_file.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        mode = "unknown"
+    if mode in ("never", "always"):
+        return f"huge pages: {'off' if mode == 'never' else 'on'} (the kernel's transparent huge pages are set to {mode})"
+    if environ.get(THP_SETTING) != "1":
+        why = f"{THP_SETTING}=1 not set" if dtype == "bfloat16" else dtype
+        return f"huge pages: off ({why}: ./run.sh sets {THP_SETTING}=1 for bfloat16 runs; kernel mode {mode})"
+    return (f"huge pages: on for tensors of 2 MB or more ({THP_SETTING}=1; kernel mode {mode})"
+            + ("" if dtype == "bfloat16" else f", though {dtype} ran slower with them"))
+
+
+def huge_page_kib(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
+    """This process's memory in transparent huge pages (AnonHugePages), or None where Linux does not say."""
+    try:
+        return next(int(line.split()[1]) for line in smaps.read_text().splitlines() if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def peak_memory_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    line = f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"  # KiB on Linux
+    huge = huge_page_kib()
+    return line if huge is None else f"{line}, {huge // 1024} MiB of it in 2 MB pages now"
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_MEASURE_SECONDS) -> tuple[float, str]:
+    """FLOP/s of one process that MFU is measured against, and where the figure comes from: the
+    datasheet's dense bf16 peak for known GPUs, else square matmuls in the run's dtype, timed here."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+        if known:
+            return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
+    size = PEAK_MEASURE_SIZE[device.type if device.type == "cuda" else "cpu"]
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b  # the first call allocates and warms up
+    sync()
+    repeats, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        sync()
+        repeats += 1
+    elapsed = time.perf_counter() - t0
+    flops = 2 * size**3 * repeats / elapsed
+    return flops, f"{flops / 1e9:.1f} GFLOP/s {str(dtype).removeprefix('torch.')} measured ({repeats} {size}x{size} matmuls in {elapsed:.2f}s)"
+
+
+def flops_per_token(model, args) -> float:
+    """Training FLOPs per token of train_gpt's GPT: 6 per matmul weight (forward + backward), plus
+    attention scores and values over the average window (about half of it, QK^T and AV, forward and backward)."""
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.ndim >= 2 and "embed" not in name)
+    attention_layers = sum(block.attn is not None for block in model.blocks)
+    avg_keys = min(args.window_tokens, args.seq_len) / 2
+    return 6 * matmul_weights + 12 * attention_layers * args.num_heads * args.head_dim * avg_keys
+
+
+@dataclass
+class TrainingClock:
+    """Training time excludes validation, checkpoints and the warm-up steps (which compile), as in the
+    speedrun logs; without warm-up steps the first step compiles on the clock. Validation is timed apart."""
+    training_ms: float = 0.0
+    timed_steps: int = 0
+    first_step_ms: float = 0.0  # step 1, which compiles (with compile on and no warm-up steps); 0 once resumed
+    validation_ms: float = 0.0  # all validations so far (off the training clock)
+    validations: int = 0  # how many that time covers
+
+    def throughput_lines(self, tokens_per_step: int, flops_per_token: float, peak: tuple[float, str],
+                         world_size: int) -> list[str]:
+        """Tokens/s and MFU over the timed steps, and over the steps after step 1 (which may compile)."""
+        def rate(steps: int, ms: float) -> str:
+            tokens_per_second = steps * tokens_per_step / max(ms / 1000, 1e-9)
+            achieved = flops_per_token * tokens_per_second
+            return (f"{tokens_per_second:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, "
+                    f"MFU {100 * achieved / (peak[0] * world_size):.1f}%")
+
+        lines = [f"throughput: {rate(self.timed_steps, self.training_ms)} of {world_size} x {peak[1]}"]
+        if self.timed_steps > 1 and self.first_step_ms:
+            lines.append(f"throughput after step 1, which took {self.first_step_ms / 1000:.1f} s: "
+                         f"{rate(self.timed_steps - 1, self.training_ms - self.first_step_ms)}")
+        return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint and log files
+
+
+def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
+    return Path(checkpoint_dir) / run_id / f"step_{step:06d}.pt"  # zero-padded: names sort by step
+
+
+def write_checkpoint(path: Path, state: dict):
+    """Written to a temporary file and renamed: a final name never holds a partial checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_checkpoint(path: Path, keys: set[str]) -> dict:
+    """A checkpoint holding at least `keys`, loaded to CPU without running any pickled code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such checkpoint") from None
+    except Exception as e:  # unpickling raises many types; any of them means the same to the user
+        raise ConfigError(f"{path}: not a readable checkpoint of train_gpt.py ({str(e).strip().splitlines()[0]})") from None
+    if not isinstance(state, dict) or not keys <= state.keys():
+        raise ConfigError(f"{path}: not a checkpoint of train_gpt.py (it lacks {', '.join(sorted(keys))})")
+    return state
+
+
+def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
+    """The checkpoint of run_id with the highest step, for --resume=latest."""
+    if not run_id:
+        raise ConfigError("--resume=latest needs --run_id=<the run to continue>")
+    found = sorted(checkpoint_path(checkpoint_dir, run_id, 0).parent.glob("step_*.pt"))
+    if not found:
+        raise ConfigError(f"--resume=latest: no checkpoints in {Path(checkpoint_dir, run_id)}; "
+                          f"check --run_id and --checkpoint_dir")
+    return found[-1]
+
+
+def check_writable(folder: Path, option: str):
+    """Fails now, naming the option, rather than after training when the first file is saved."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--{option}={folder}: cannot write there ({e.strerror or e}); pick a writable folder") from None
+
+
+def log_path_for(log_dir: Path, run_id: str, resuming: bool) -> tuple[Path, Path | None]:
+    """logs/<run_id>.txt; a resumed run whose log exists continues in <run_id>.resume<N>.txt, naming
+    the newest log before it. Returns (path, the log it continues or None)."""
+    path = log_dir / f"{run_id}.txt"
+    if not resuming or not path.exists():
+        return path, None
+    n = 1
+    while (log_dir / f"{run_id}.resume{n}.txt").exists():
+        path, n = log_dir / f"{run_id}.resume{n}.txt", n + 1
+    return log_dir / f"{run_id}.resume{n}.txt", path
+
+
+# ------------------------------------------------------------------------------------------------
+# Stop signals and resuming
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after an optimizer step; the message says how to resume."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for a process ended by that signal
+
+
+class StopSignals:
+    """SIGTERM (what SLURM and cloud preemption send) and SIGINT (Ctrl-C) let the current optimizer step
+    finish; the training loop then saves a checkpoint and stops. Repeats are ignored (a launcher may
+    forward the signal the process already got). Ranks must stop after the same step, so with several
+    processes the flag is agreed on by an all-reduce on a CPU (gloo) group, launched asynchronously at
+    one step and read at the next: no GPU synchronization, and no rank's CPU waits on a slower rank."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, world_size: int):
+        self.received = 0
+        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.in_flight = None  # (flag tensor, all-reduce work) launched at the previous check
+
+    def _on_signal(self, signum, frame):
+        self.received = self.received or signum
+
+    def agreed(self) -> int:
+        """The signal every rank stops on (0: none yet); called once per optimizer step on every rank."""
+        if self.group is None:
+            return self.received
+        agreed = 0
+        if self.in_flight is not None:
+            flag, work = self.in_flight
+            work.wait()
+            agreed = int(flag)
+        flag = torch.full((1,), self.received, dtype=torch.int64)
+        self.in_flight = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        return agreed
+
+    def close(self):
+        if self.in_flight is not None:
+            self.in_flight[1].wait()
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, argv: list[str], world_size: int,
+                  log: RunLog) -> Preempted:
+    """Saves a checkpoint of the finished step unless one exists (save(step) returns its path), and
+    says how to resume from it."""
+    name = signal.Signals(signum).name
+    path = next((p for p in reversed(saved) if p.name == f"step_{step:06d}.pt"), None)
+    if path is None:
+        try:
+            path = save(step)
+        except OSError as e:
+            message = f"{name} after step {step}: no checkpoint saved ({e.strerror or e}); the run cannot be resumed from here"
+            log(message)
+            return Preempted(signum, message)
+    kept = [a for a in argv if not a.startswith(("--resume", "--run_id"))]
+    launcher = ["torchrun", "--standalone", f"--nproc_per_node={world_size}"] if world_size > 1 else ["python"]
+    command = shlex.join([*launcher, "train_gpt.py", *kept, f"--run_id={run_id}", f"--resume={path}"])
+    log(f"stopped by {name} after step {step}; checkpoint: {path}")
+    return Preempted(signum, f"stopped by {name} after step {step}; resume with: {command}")

@@ -1,0 +1,125 @@
+"""The device plan: every device-dependent choice made once, by plan_device(), and the model built from
+it with nothing set afterwards. CUDA is faked where the API allows: only the capability query."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from test_train_loop import run
+
+import train_gpt
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
+    args = train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"])
+    plan = train_gpt.plan_device(args, CPU)
+    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile_muon, plan.pinned_memory) == ("sdpa", False, 1024, False, False)
+    assert plan.deterministic and plan.settle_vector_math and plan.compile == train_gpt.cpp_compiler_found()
+    assert plan.dtype == train_gpt.auto_dtype(CPU)[0]
+    assert "fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
+    assert "training loss: in chunks of 1024 positions" in plan.lines
+    model = train_gpt.build_model(dataclasses.replace(args, dtype=plan.dtype), 1024, plan)
+    assert model.attention_backend == "sdpa" and model.loss_chunk == 1024 and model.lm_head.fp8_scales is None
+    assert model.embed.weight.dtype == model.value_embeds[0].weight.dtype == train_gpt.DTYPES[plan.dtype]
+
+
+def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
+    """With FP8 available, the record preset gets FlexAttention, the FP8 lm_head (so the whole-sequence loss,
+    whatever loss_chunk says), compiled Muon, pinned memory and the record's kernels; the model built
+    from the plan holds each choice."""
+    monkeypatch.setattr(train_gpt, "fp8_supported", lambda device: (True, "compute capability 9.0"))
+    args = dataclasses.replace(train_gpt.Hyperparameters(), loss_chunk=1024)
+    plan = train_gpt.plan_device(args, CUDA, "PYTORCH_ALLOC_CONF=expandable_segments:True")
+    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile, plan.compile_muon) == ("flex", True, 0, True, True)
+    assert plan.dtype == "bfloat16" and plan.pinned_memory and not plan.deterministic and not plan.settle_vector_math
+    for line in ("attention: FlexAttention with block-sparse masks, compiled with the model",
+                 "fp8 lm_head: on (compute capability 9.0), gradient scale record",
+                 "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)",
+                 "deterministic algorithms: off (CUDA: the record's kernels)", "muon: newton_schulz, compiled",
+                 "dtype: bfloat16", "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True"):
+        assert line in plan.lines, line
+    eager = train_gpt.plan_device(dataclasses.replace(args, compile=False), CUDA, "x")
+    assert eager.attention == "flex" and not eager.compile
+    assert ("attention: FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps "
+            "the rest eager)") in eager.lines
+    small = dataclasses.replace(args, num_layers=2, model_dim=64, num_heads=1, head_dim=64, vocab_size=1000)
+    model = train_gpt.build_model(small, 256, plan)  # built on the CPU, as the Trainer builds it before moving it
+    assert model.attention_backend == "flex" and model.loss_chunk == 0
+    assert model.lm_head.fp8_scales == train_gpt.lm_head_fp8_scales(64, "record")
+    assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    muon = train_gpt.build_optimizers(model, small, compile_muon=plan.compile_muon)[1]
+    assert muon.orthogonalize is train_gpt.compiled_on_first_use(train_gpt.orthogonalize)
+    without_fp8 = train_gpt.plan_device(dataclasses.replace(args, fp8=False), CUDA, "x")
+    assert not without_fp8.fp8 and without_fp8.loss_chunk == 1024 and "fp8 lm_head: off (--fp8=false)" in without_fp8.lines
+
+
+def test_compile_without_a_cpp_compiler_runs_eager_and_says_why():
+    from torch._inductor import config as inductor_config
+    args = train_gpt.Hyperparameters(compile=True)
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):  # what $CXX sets at import
+        assert not train_gpt.cpp_compiler_found()
+        plan = train_gpt.plan_device(args, CPU)
+    assert not plan.compile
+    assert "compile: off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)" in plan.lines
+    assert train_gpt.plan_device(args, CPU).compile  # this machine has one
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu avx2 avx512f avx512_bf16 avx512_vnni", ("bfloat16", "the CPU has avx512_bf16")),
+    ("fpu avx2 amx_tile amx_bf16 amx_int8", ("bfloat16", "the CPU has amx_bf16")),
+    ("fpu avx2 avx512f avx512bw", ("float32", "the CPU has none of avx512_bf16, amx_bf16: bf16 matmuls would "
+                                              "be emulated")),
+])
+def test_dtype_auto_follows_the_cpu_flags(tmp_path, flags, expected):
+    """bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), float32 where it would be emulated;
+    every core's flags line is read, as /proc/cpuinfo lists them."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("".join(f"processor\t: {i}\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\n" for i in range(2)))
+    assert train_gpt.auto_dtype(CPU, cpuinfo) == expected
+    assert train_gpt.auto_dtype(CPU, tmp_path / "absent")[0] == "float32"
+    assert train_gpt.auto_dtype(CUDA, cpuinfo) == ("bfloat16", "CUDA")
+
+
+def test_explicit_dtypes_stay_and_auto_resolves():
+    for dtype in train_gpt.DTYPES:
+        assert train_gpt.plan_device(train_gpt.Hyperparameters(dtype=dtype), CPU).dtype == dtype
+    plan = train_gpt.plan_device(train_gpt.Hyperparameters(dtype="auto"), CPU)
+    dtype, why = train_gpt.auto_dtype(CPU)
+    assert plan.dtype == dtype and f"dtype: {dtype} (auto: {why})" in plan.lines
+
+
+def test_run_sh_decides_dtype_auto_by_the_same_rule():
+    """./run.sh turns huge pages on for bfloat16 runs before torch starts, so it asks auto_dtype() too:
+    the one place the rule is written."""
+    script = (ROOT / "run.sh").read_text()
+    assert "auto_dtype(" in script and "avx512_bf16" not in script
+    out = subprocess.run(["bash", "-c", 'source <(sed -n "/^deps_ok()/,/^}/p" run.sh) && deps_ok "$0"', sys.executable],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    gpus, dtype = out.stdout.split()
+    assert int(gpus) == torch.cuda.device_count() and dtype == train_gpt.auto_dtype(CPU)[0], out.stderr
+
+
+def test_the_run_logs_the_dtype_it_resolved(tiny_shards, tmp_path):
+    """With dtype=auto, the hyperparameters logged (and saved in checkpoints) name the dtype that ran."""
+    result = run(tiny_shards, tmp_path, "--num_iterations=1", "--dtype=auto")
+    text = Path(result["log_path"]).read_text()
+    dtype, why = train_gpt.auto_dtype(CPU)
+    assert f"\n  dtype: '{dtype}'\n" in text and f"\n  dtype: {dtype} (auto: {why})\n" in text
+
+
+@pytest.mark.parametrize("name, value", [("dtype", "fp16"), ("orthogonalizer", "svd"), ("value_embed_layout", "v"),
+                                         ("fp8_grad_scale", "max")])
+def test_each_choice_is_checked_in_one_place_naming_the_valid_values(name, value):
+    args, _ = train_gpt.parse_args([f"--{name}={value}"], "cpu")
+    valid = train_gpt.CHOICES[name]
+    with pytest.raises(train_gpt.ConfigError) as error:
+        train_gpt.check_hyperparameters(args, 1)
+    assert str(error.value) == f"{name}={value!r}; choose one of {', '.join(valid)}"
+    for good in valid:  # and every listed value passes
+        train_gpt.check_hyperparameters(dataclasses.replace(args, **{name: good}), 1)

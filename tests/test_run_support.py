@@ -1,0 +1,85 @@
+"""run_support.py, the companion train_gpt.py imports and logs: what it may import, the sources a log
+begins with, and the report lines about memory."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+import run_support as support
+
+COMPANION = ROOT / "run_support.py"
+
+
+def test_the_companion_imports_neither_train_gpt_nor_torch_nn():
+    """It holds no line that can change what a run computes: no model code, nothing from train_gpt."""
+    imported = set()
+    for node in ast.walk(ast.parse(COMPANION.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    assert "torch" in imported
+    assert not [name for name in imported if name == "train_gpt" or name.startswith(("torch.nn", "torch.optim"))]
+    probe = "import sys, run_support; print('train_gpt' in sys.modules)"  # nor does importing it load train_gpt
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_logged_sources_begin_with_the_first_file_exactly_and_name_the_others(tmp_path):
+    first, second = tmp_path / "a.py", tmp_path / "b.py"
+    first.write_text("x = 1\n\n# ----\n")
+    second.write_text("y = 2")  # no final newline: one is added
+    text = support.logged_sources([first, second])
+    assert text == f"x = 1\n\n# ----\n\n{'-' * 40}\n# b.py\n{'-' * 40}\n\ny = 2\n"
+    assert support.logged_sources([first]) == first.read_text()
+
+
+def test_huge_pages_line_names_the_setting_the_kernel_mode_and_a_dtype_that_gains_nothing(tmp_path):
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    on = {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert (support.huge_pages_line("bfloat16", on, mode)
+            == "huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode madvise)")
+    assert (support.huge_pages_line("float32", on, mode)
+            == "huge pages: on for tensors of 2 MB or more (THP_MEM_ALLOC_ENABLE=1; kernel mode madvise), "
+               "though float32 ran slower with them")
+    assert (support.huge_pages_line("bfloat16", {}, mode) == "huge pages: off (THP_MEM_ALLOC_ENABLE=1 not set: "
+            "./run.sh sets THP_MEM_ALLOC_ENABLE=1 for bfloat16 runs; kernel mode madvise)")
+    assert support.huge_pages_line("float32", {}, mode).startswith("huge pages: off (float32: ./run.sh sets")
+    mode.write_text("always madvise [never]\n")
+    assert (support.huge_pages_line("bfloat16", on, mode)
+            == "huge pages: off (the kernel's transparent huge pages are set to never)")
+    mode.write_text("[always] madvise never\n")  # the kernel gives them unasked
+    assert (support.huge_pages_line("float32", {}, mode)
+            == "huge pages: on (the kernel's transparent huge pages are set to always)")
+    assert support.huge_pages_line("bfloat16", on, tmp_path / "absent").endswith("; kernel mode unknown)")
+
+
+HUGE_PAGE_PROBE = ("import sys, torch\nsys.path.insert(0, sys.argv[1])\nimport run_support\n"
+                   "before = run_support.huge_page_kib()\nx = torch.ones(2**25)\nprint(run_support.huge_page_kib() - before)")
+
+
+@pytest.mark.skipif(not support.THP_MODE_FILE.exists() or "[never]" in support.THP_MODE_FILE.read_text()
+                    or support.huge_page_kib() is None,
+                    reason="this kernel has no transparent huge pages to give, or does not count them")
+def test_torch_takes_huge_pages_for_large_tensors_when_asked():
+    """THP_MEM_ALLOC_ENABLE=1, the setting ./run.sh makes, is the name this torch's allocator reads: a
+    128 MB tensor then lies mostly in 2 MB pages, as smaps reports them; without it (kernel mode
+    madvise), in none."""
+    def grown_kib(huge_pages: bool) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        if huge_pages:
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+        out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE, str(ROOT)], env=env,
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[-1])
+
+    assert grown_kib(True) >= 64 * 1024
+    if "[madvise]" in support.THP_MODE_FILE.read_text():
+        assert grown_kib(False) < 2 * 1024
+
+
