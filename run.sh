@@ -6,9 +6,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
-# Prints the number of CUDA GPUs, then the dtype that dtype=auto picks on this CPU (train_gpt.auto_dtype,
-# the one rule), when $1 has every dependency at the version requirements.txt pins with == and imports
-# torch; fails otherwise. One interpreter start: importing torch takes seconds.
+# Prints the CUDA GPU count and the dtype dtype=auto picks here (train_gpt.auto_dtype) when $1 imports torch
+# and every package at the version requirements.txt pins with ==; fails otherwise. One slow interpreter start.
 deps_ok() {
   "$1" - <<'PY' 2>/dev/null
 import importlib.metadata, re, sys
@@ -81,9 +80,8 @@ if [ "$dtype" = bfloat16 ]; then export THP_MEM_ALLOC_ENABLE=1; fi
 # The final model is saved under a known run id, so that a sample of it can follow; options given
 # to ./run.sh come later and win.
 run_id=$(option run_id "cpu-$(date +%Y%m%d-%H%M%S)-$$" "$@")
-# Training runs as a job in its own process group, and this script passes it SIGTERM and SIGINT
-# (Ctrl-C): it gets each stop signal exactly once, whether sent to this script or to its group,
-# and finishes its step and saves, as when it runs alone.
+# Training runs as a job in its own process group, to which this script passes SIGTERM and SIGINT:
+# it gets each stop signal once, whether sent to this script or its group, and saves as when alone.
 set -m
 "$PY" train_gpt.py --save_checkpoint --run_id="$run_id" "$@" &
 training=$!

@@ -99,7 +99,7 @@ def describe_hardware(device: torch.device, world_size: int) -> list[str]:
             details = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired) as e:
             details = f"nvidia-smi unavailable: {e}"
-        return [f"hardware: {world_size}x {torch.cuda.get_device_name(device)}", details]
+        return [f"hardware: {world_size}x {torch.cuda.get_device_name(device)}", *([details] if details else [])]
     model = platform.processor() or platform.machine()
     try:
         model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -215,7 +215,7 @@ class TrainingClock:
 
 
 def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
-    return Path(checkpoint_dir) / run_id / f"step_{step:06d}.pt"  # zero-padded: names sort by step
+    return Path(checkpoint_dir, run_id, f"step_{step:06d}.pt")  # zero-padded: names sort by step
 
 
 def write_checkpoint(path: Path, state: dict):
@@ -246,7 +246,7 @@ def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
     """The checkpoint of run_id with the highest step, for --resume=latest."""
     if not run_id:
         raise ConfigError("--resume=latest needs --run_id=<the run to continue>")
-    found = sorted(checkpoint_path(checkpoint_dir, run_id, 0).parent.glob("step_*.pt"))
+    found = sorted(Path(checkpoint_dir, run_id).glob("step_*.pt"))
     if not found:
         raise ConfigError(f"--resume=latest: no checkpoints in {Path(checkpoint_dir, run_id)}; "
                           f"check --run_id and --checkpoint_dir")

@@ -200,7 +200,8 @@ POLAR_EXPRESS_COEFFS = [
 POLAR_EXPRESS_SAFETY = 2e-2
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic; the same for every iteration
 ORTHOGONALIZATION_STEPS = 5
-ORTHOGONALIZERS = ("newton_schulz", "polar_express")  # the values of Hyperparameters.orthogonalizer
+ORTHOGONALIZERS = {"newton_schulz": [NEWTON_SCHULZ_COEFFS] * ORTHOGONALIZATION_STEPS,
+                   "polar_express": POLAR_EXPRESS_COEFFS}  # Hyperparameters.orthogonalizer: its coefficients
 
 
 def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -211,12 +212,11 @@ def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype =
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
     norm = X.norm(dim=(-2, -1), keepdim=True)
+    coeffs = ORTHOGONALIZERS[method]
     if method == "polar_express":
         X = X / (norm * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
-        coeffs = POLAR_EXPRESS_COEFFS
     else:
         X = X / (norm + 1e-7)
-        coeffs = [NEWTON_SCHULZ_COEFFS] * ORTHOGONALIZATION_STEPS
     for a, b, c in coeffs:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
@@ -418,10 +418,10 @@ def window_block_counts(partial_num: Tensor, full_num: Tensor, window_blocks) ->
     return partial_kept, full_kept
 
 
-def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
+def attention_masks(tokens: Tensor, window_blocks, backend: str, first_query: int = 0) -> tuple:
     """The long- and short-window masks of one sequence (short: half as many blocks, at least one):
     FlexAttention BlockMasks for backend "flex", dense boolean (T, T) masks with exactly the same
-    pairs for backend "sdpa"."""
+    pairs for backend "sdpa". first_query: generation's hook, the dense masks' rows from there on."""
     docs, partial_num, partial_idx, full_num, full_idx = document_causal_blocks(tokens)
     window_blocks = torch.as_tensor(window_blocks, dtype=torch.int32, device=tokens.device)
 
@@ -442,7 +442,8 @@ def attention_masks(tokens: Tensor, window_blocks, backend: str) -> tuple:
         # each block's column repeated for its positions: a copy, where indexing by pos // BLOCK_SIZE
         # would be a slower elementwise gather
         per_key = block_allowed[:, :, None].expand(-1, -1, BLOCK_SIZE).flatten(1)
-        return per_key[pos // BLOCK_SIZE] & document_causal(None, None, pos[:, None], pos[None, :])
+        rows = pos[first_query:]
+        return per_key[rows // BLOCK_SIZE] & document_causal(None, None, rows[:, None], pos[None, :])
 
     return build(window_blocks), build(torch.clamp_min(window_blocks // 2, 1))
 
@@ -640,7 +641,7 @@ class GPT(nn.Module):
     gives the attention backend, the FP8 lm_head, the training loss's chunks and the embeddings' dtype."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
+                 max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
                  value_embed_gates: bool = False):
         super().__init__()
@@ -959,7 +960,7 @@ class Hyperparameters:
     muon_cautious_wd: float = 0.0  # cautious weight decay on Muon's matrices (Chen et al., 2025), ramping linearly to 0 over training; best ~ 1/width^2; 0: off (the record)
     orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
     # systems
-    dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (the faster here)
+    dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
@@ -1123,7 +1124,6 @@ class DevicePlan:
     compile_muon: bool  # torch.compile Muon's orthogonalization
     pinned_memory: bool  # batches in pinned host memory, copied without blocking
     deterministic: bool  # torch's deterministic algorithms, so that a run repeats to the bit
-    settle_vector_math: bool  # settle_vector_math() before the first matmul
     lines: tuple[str, ...]  # what the log says of each choice
 
 
@@ -1165,40 +1165,49 @@ def cpp_compiler_found() -> bool:
         return False
 
 
-def plan_device(args: "Hyperparameters", device: torch.device, allocator: str = "") -> DevicePlan:
+def plan_device(args: Hyperparameters, device: torch.device, allocator: str = "") -> DevicePlan:
     """The plan for args on device: CUDA runs the record's way (FlexAttention, FP8 where the GPU has
-    it, compiled Muon); a CPU uses the same masks densely, the chunked loss and deterministic kernels."""
+    it, compiled Muon and FP8 scaling); a CPU uses the same masks densely, the chunked loss and
+    deterministic kernels."""
     cuda = device.type == "cuda"
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
     loss_chunk = 0 if fp8 else args.loss_chunk  # the FP8 lm_head has its own op
     compile = args.compile and (cuda or cpp_compiler_found())
     dtype, dtype_why = auto_dtype(device) if args.dtype == "auto" else (args.dtype, "")
-    if not cuda:
-        attention = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
+    plan = DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, loss_chunk, compile, compile_muon=cuda,
+                      pinned_memory=cuda, deterministic=not cuda, lines=())
+    if plan.attention == "sdpa":
+        attention_why = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
     elif compile:
-        attention = "FlexAttention with block-sparse masks, compiled with the model"
+        attention_why = "FlexAttention with block-sparse masks, compiled with the model"
     else:
         # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
-        attention = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
-    lines = (
+        attention_why = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
+    return dataclasses.replace(plan, lines=(
         f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
-        f"attention: {attention}",
+        f"attention: {attention_why}",
         "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
                              + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
         "compile: " + ("on" if compile else "off (compile=false)" if not args.compile
                        else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)"),
         # Inductor's CPU kernels add embedding gradients with atomics, in whatever order threads reach
         # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
-        "deterministic algorithms: " + ("off (CUDA: the record's kernels)" if cuda else
-                                        "on (a CPU run repeats to the bit at the same thread count, compiled or not)"),
-        f"muon: {args.orthogonalizer}, {'compiled' if cuda else 'eager (compiled on CUDA only)'}",
+        "deterministic algorithms: " + ("on (a CPU run repeats to the bit at the same thread count, compiled or not)"
+                                        if plan.deterministic else "off (CUDA: the record's kernels)"),
+        f"muon: {args.orthogonalizer}, {'compiled' if plan.compile_muon else 'eager (compiled on CUDA only)'}",
         f"dtype: {dtype}" + (f" (auto: {dtype_why})" if dtype_why else ""),
-        f"pinned memory, non-blocking copies: {'on' if cuda else 'off (CUDA only)'}",
+        f"pinned memory, non-blocking copies: {'on' if plan.pinned_memory else 'off (CUDA only)'}",
         f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
-    )
-    return DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, loss_chunk, compile, compile_muon=cuda,
-                      pinned_memory=cuda, deterministic=not cuda, settle_vector_math=not cuda, lines=lines)
+    ))
+
+
+def check_ranks_agree(plan: DevicePlan, world_size: int):
+    """Each rank plans alone, and dtype=auto follows its machine's CPU: every rank must run one plan."""
+    dtypes = [None] * world_size
+    dist.all_gather_object(dtypes, plan.dtype)
+    if len(set(dtypes)) > 1:
+        raise ConfigError(f"the ranks' dtype=auto differ ({', '.join(dtypes)}): their CPUs differ; pass --dtype")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1216,10 +1225,10 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
-                     compile_muon: bool = False) -> tuple[torch.optim.Adam, Muon]:
-    """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices.
-    Each group remembers its initial_lr, which the schedule scales. Value-embedding gates are a few
-    scalars per head and go with the scalars."""
+                     plan: DevicePlan | None = None) -> tuple[torch.optim.Adam, Muon]:
+    """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices,
+    in the plan's dtype (without one, args.dtype, eager). Each group remembers its initial_lr, which
+    the schedule scales. Value-embedding gates are a few scalars per head and go with the scalars."""
     gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
@@ -1228,8 +1237,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                              dict(params=[model.scalars, *gates], lr=args.scalar_lr)],
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
-                dtype=DTYPES[args.dtype], rank=rank, world_size=world_size, neuron_beta2=args.muon_neuron_beta2,
-                compiled=compile_muon)
+                dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
+                neuron_beta2=args.muon_neuron_beta2, compiled=plan is not None and plan.compile_muon)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1277,7 +1286,7 @@ class Trainer:
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
-        self.optimizers = build_optimizers(self.model, args, rank, world_size, plan.compile_muon)
+        self.optimizers = build_optimizers(self.model, args, rank, world_size, plan)
         self.muon = self.optimizers[1]
         # The training step only calls wait_for_gradients(); the hooks do the rest during backward.
         self.buckets = None
@@ -1383,7 +1392,6 @@ class Trainer:
     def synchronize(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-
 
 
 CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
@@ -1501,12 +1509,13 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     allocator = configure_cuda_allocator()  # before anything touches CUDA
     rank, world_size, device = setup_distributed()
+    settle_vector_math()  # before any matmul on the CPU; the rotary tables are made there on every device
     args, preset = parse_args(argv, "record" if device.type == "cuda" else "cpu")
     check_hyperparameters(args, world_size)
     plan = plan_device(args, device, allocator)
     args = dataclasses.replace(args, dtype=plan.dtype)  # logs and checkpoints name the dtype that ran
-    if plan.settle_vector_math:
-        settle_vector_math()  # before the first matmul: the MFU peak's
+    if world_size > 1:
+        check_ranks_agree(plan, world_size)
     # Data problems surface before anything is written.
     stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size, plan.pinned_memory)
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
@@ -1525,7 +1534,7 @@ def main(argv: list[str] | None = None) -> dict:
     stop = support.StopSignals(world_size)
     try:
         log.header(sources, args, preset, device, world_size, plan.lines)
-        peak = support.matmul_peak(device, DTYPES[args.dtype])
+        peak = support.matmul_peak(device, DTYPES[plan.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)
         trainer = Trainer(args, rank, world_size, plan)
         for line in trainer.describe():

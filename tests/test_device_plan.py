@@ -20,11 +20,11 @@ def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"])
     plan = train_gpt.plan_device(args, CPU)
     assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile_muon, plan.pinned_memory) == ("sdpa", False, 1024, False, False)
-    assert plan.deterministic and plan.settle_vector_math and plan.compile == train_gpt.cpp_compiler_found()
+    assert plan.deterministic and plan.compile == train_gpt.cpp_compiler_found()
     assert plan.dtype == train_gpt.auto_dtype(CPU)[0]
     assert "fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
     assert "training loss: in chunks of 1024 positions" in plan.lines
-    model = train_gpt.build_model(dataclasses.replace(args, dtype=plan.dtype), 1024, plan)
+    model = train_gpt.build_model(args, 1024, plan)  # args.dtype is still auto: the plan's dtype is the one used
     assert model.attention_backend == "sdpa" and model.loss_chunk == 1024 and model.lm_head.fp8_scales is None
     assert model.embed.weight.dtype == model.value_embeds[0].weight.dtype == train_gpt.DTYPES[plan.dtype]
 
@@ -37,7 +37,7 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     args = dataclasses.replace(train_gpt.Hyperparameters(), loss_chunk=1024)
     plan = train_gpt.plan_device(args, CUDA, "PYTORCH_ALLOC_CONF=expandable_segments:True")
     assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile, plan.compile_muon) == ("flex", True, 0, True, True)
-    assert plan.dtype == "bfloat16" and plan.pinned_memory and not plan.deterministic and not plan.settle_vector_math
+    assert plan.dtype == "bfloat16" and plan.pinned_memory and not plan.deterministic
     for line in ("attention: FlexAttention with block-sparse masks, compiled with the model",
                  "fp8 lm_head: on (compute capability 9.0), gradient scale record",
                  "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)",
@@ -53,8 +53,9 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     assert model.attention_backend == "flex" and model.loss_chunk == 0
     assert model.lm_head.fp8_scales == train_gpt.lm_head_fp8_scales(64, "record")
     assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
-    muon = train_gpt.build_optimizers(model, small, compile_muon=plan.compile_muon)[1]
+    muon = train_gpt.build_optimizers(model, small, plan=plan)[1]
     assert muon.orthogonalize is train_gpt.compiled_on_first_use(train_gpt.orthogonalize)
+    assert muon.dtype == torch.bfloat16
     without_fp8 = train_gpt.plan_device(dataclasses.replace(args, fp8=False), CUDA, "x")
     assert not without_fp8.fp8 and without_fp8.loss_chunk == 1024 and "fp8 lm_head: off (--fp8=false)" in without_fp8.lines
 

@@ -298,6 +298,41 @@ def test_source_writes_a_log_back_out_and_it_runs_to_the_same_bits(runs, tmp_pat
         (int(s), round(float.fromhex(v), 4)) for s, v in losses["logged"]["val_losses"].items()]
 
 
+def test_source_files_get_the_usual_mode_and_bad_names_write_nothing(runs, tmp_path, capsys):
+    umask = os.umask(0o022)
+    try:
+        assert records.main(["source", str(runs["paths"]["base"]), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {
+        "train_gpt.py": 0o644, "run_support.py": 0o644}
+    text = runs["paths"]["base"].read_text()
+    for bad in ("../evil.py", "train_gpt.py", ""):  # a path, a second train_gpt.py, no name
+        log = tmp_path / "bad.txt"
+        log.write_text(text.replace("\n# run_support.py\n", f"\n# {bad}\n", 1))
+        assert records.main(["source", str(log), str(tmp_path / "bad_out")]) == 2
+        assert "is no file name, or comes twice" in capsys.readouterr().err
+        assert not (tmp_path / "bad_out").exists()
+
+
+def test_logs_of_the_upstream_repository_split_into_their_files(tmp_path, capsys):
+    """Upstream appends each kernel file after two newlines and a dashed header, and print() adds a
+    final newline: check compares such a log with the files it ran, blank lines at the end aside."""
+    code, kernels = "import torch\nx = 1\n", "def kernel():\n    pass\n"
+    logged = code + f"\n\n{'-' * 40}\n# triton_kernels.py\n{'-' * 40}\n\n" + kernels
+    log = tmp_path / "upstream.txt"
+    log.write_text(logged + "\n" + SEP + "\nstep:10/10 val_loss:3.2800 train_time:1000ms step_avg:100.00ms\n")
+    assert list(records.parse_log(log).sources) == ["train_gpt.py", "triton_kernels.py"]
+    (tmp_path / "train_gpt.py").write_text(code)
+    assert records.main(["check", str(log), "--script", str(tmp_path / "train_gpt.py")]) == 1
+    assert "triton_kernels.py: not in this checkout" in capsys.readouterr().out
+    (tmp_path / "triton_kernels.py").write_text(kernels)
+    assert records.main(["check", str(log), "--script", str(tmp_path / "train_gpt.py")]) == 0
+    (tmp_path / "triton_kernels.py").write_text(kernels.replace("pass", "return"))
+    assert records.main(["check", str(log), "--script", str(tmp_path / "train_gpt.py")]) == 1
+    assert "+    pass" in capsys.readouterr().out
+
+
 def test_an_older_record_log_writes_out_a_source_that_runs(runs, tmp_path):
     out = tmp_path / "record"
     assert records.main(["source", str(RECORD_LOG), str(out)]) == 0

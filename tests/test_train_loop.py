@@ -107,6 +107,13 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tiny_shards, tmp_path, 
         run(tiny_shards, tmp_path, "--num_iterations=5")
 
 
+def test_a_non_finite_validation_loss_stops_the_run_naming_the_step(tiny_shards, tmp_path, monkeypatch):
+    forward = train_gpt.GPT.forward
+    monkeypatch.setattr(train_gpt.GPT, "forward", lambda self, *args: forward(self, *args) * (1 if self.training else math.inf))
+    with pytest.raises(FloatingPointError, match="validation loss is non-finite at step 0"):
+        run(tiny_shards, tmp_path, "--num_iterations=2", "--val_loss_every=1")
+
+
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by exactly lr * sign(grad), so each group's lr shows."""
     args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)

@@ -66,7 +66,7 @@ def bench(args):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                          args.seq_len, "sdpa")
+                          args.seq_len, attention_backend="sdpa")
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     params = list(model.parameters())

@@ -28,14 +28,14 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
     """A model of the preset's shape at its end-of-training window, with random weights everywhere
     (the zero-initialized output layers too, so the greedy tokens vary)."""
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
-    args = train_gpt.dataclasses.replace(args, dtype=train_gpt.plan_device(args, device).dtype)
     torch.manual_seed(0)
     model = train_gpt.build_model(args, max(args.seq_len, args.val_seq_len))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("c_proj.weight") or name == "lm_head.weight":
                 p.normal_(0, 0.5 * p.size(1) ** -0.5)
-    model = sample.in_dtype(model, train_gpt.DTYPES[dtype or args.dtype])
+    trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
+    model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])
     return sample.generation_layout(model.to(device).eval()), train_gpt.window_blocks(args.num_iterations, args)
 
 

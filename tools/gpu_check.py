@@ -15,6 +15,7 @@ Without CUDA the checks that can run on CPU run at small sizes; the rest are SKI
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import run_support  # noqa: E402
 import train_gpt  # noqa: E402
 
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
@@ -156,7 +158,6 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
     if device.type != "cuda" and args.compile:
         raise Skip("needs CUDA: the record model compiled takes minutes per step on CPU")
     plan = train_gpt.plan_device(args, device)
-    args = train_gpt.dataclasses.replace(args, dtype=plan.dtype)
     trainer = train_gpt.Trainer(args, 0, 1, plan)
     g = torch.Generator().manual_seed(3)
     batch = [(t[:-1].to(device, torch.int32), t[1:].to(device)) for t in
@@ -171,8 +172,8 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
     if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0] - 0.5:
         raise AssertionError(f"the loss did not fall on a repeated batch: {[round(x, 3) for x in losses]}")
     tokens_per_second = args.batch_slots * args.seq_len / (step_ms / 1000)
-    achieved = train_gpt.support.flops_per_token(trainer.model, args) * tokens_per_second
-    peak, source = train_gpt.support.matmul_peak(device, train_gpt.DTYPES[args.dtype])
+    achieved = run_support.flops_per_token(trainer.model, args) * tokens_per_second
+    peak, source = run_support.matmul_peak(device, train_gpt.DTYPES[plan.dtype])
     mfu = f"{achieved / 1e12:.2f} TFLOP/s, MFU {100 * achieved / peak:.1f}% of {source}"
     return (f"{args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens: loss "
             f"{losses[0]:.2f} -> {losses[-1]:.2f}; {step_ms:.1f} ms/step, {tokens_per_second:,.0f} tokens/s, {mfu}")
@@ -244,7 +245,7 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
     """(name, PASS/FAIL/SKIP, figures or reason) per check."""
     cuda = device.type == "cuda"
     record = train_gpt.Hyperparameters()
-    training = train_gpt.dataclasses.replace(record, seq_len=CHECK_SEQ_LEN, batch_slots=1, num_iterations=100,
+    training = dataclasses.replace(record, seq_len=CHECK_SEQ_LEN, batch_slots=1, num_iterations=100,
                                              warmup_steps=0)
     checks = [
         ("environment", lambda: check_environment(device)),

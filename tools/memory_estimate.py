@@ -11,6 +11,7 @@ instead of saving them, and the allocator's caching and fragmentation come on to
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -50,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hp = train_gpt.Hyperparameters(**train_gpt.PRESETS[args.preset])
     torch.manual_seed(0)
-    model = train_gpt.build_model(hp, 384)
-    for table in [model.embed, *model.value_embeds]:
-        table.to(torch.bfloat16)
+    plan = train_gpt.plan_device(dataclasses.replace(hp, dtype="bfloat16"), torch.device("cpu"))  # bf16 embeddings
+    model = train_gpt.build_model(hp, 384, plan)
     short, long = (saved_bytes(model, T) for T in (128, 384))
     per_token = [(b - a) / (384 - 128) for a, b in zip(short, long)]
     casts = sum(short) - 128 * sum(per_token)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+import run_support  # noqa: E402
 import train_gpt  # noqa: E402
 
 
@@ -43,10 +44,8 @@ def main(argv=None) -> str:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     args, preset = train_gpt.parse_args(rest, "record" if device.type == "cuda" else "cpu")
     train_gpt.check_hyperparameters(args, 1)
+    train_gpt.settle_vector_math()  # as train_gpt.main() does, so the model is the one a run builds
     plan = train_gpt.plan_device(args, device)
-    args = train_gpt.dataclasses.replace(args, dtype=plan.dtype)
-    if plan.settle_vector_math:
-        train_gpt.settle_vector_math()  # as train_gpt.main() does, so the model is the one a run builds
     trainer = train_gpt.Trainer(args, 0, 1, plan)
     g = torch.Generator().manual_seed(0)
 
@@ -66,11 +65,11 @@ def main(argv=None) -> str:
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     report = "\n".join([
         f"preset {preset}: {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens a step, "
-        f"dtype {args.dtype}, compile {plan.compile}; {device.type}, {torch.get_num_threads()} threads",
+        f"dtype {plan.dtype}, compile {plan.compile}; {device.type}, {torch.get_num_threads()} threads",
         f"{own['steps']} profiled steps, {step_ms:.0f} ms a step (under the profiler); top {own['top']} operations by self time:",
         prof.key_averages().table(sort_by=sort_by, row_limit=own["top"]),
-        *(line for line in (train_gpt.support.cpu_memory_lines(args.dtype) if device.type == "cpu" else [])
-          if " off " in line),  # ./run.sh's settings, when missing
+        *(line for line in (run_support.cpu_memory_lines(plan.dtype) if device.type == "cpu" else [])
+          if line.startswith(("glibc malloc tuning: off", "huge pages: off"))),  # ./run.sh's settings, when missing
     ])
     print(report)
     return report

@@ -144,15 +144,20 @@ def literal_or_none(text: str | None):
         return None
 
 
-def split_sources(source: str) -> dict[str, str]:
+def split_sources(source: str, path: Path) -> dict[str, str]:
     """The files a logged source holds, by name: train_gpt.py first, then each file it logged after
-    itself, which begins after a blank line, SECTION_RULE, "# NAME", SECTION_RULE and a blank line."""
+    itself, which begins after a blank line, SECTION_RULE, "# NAME", SECTION_RULE and a blank line.
+    A name that is no plain file name, or that comes twice, makes the log unusable (path names it)."""
     lines = source.splitlines(keepends=True)
     stripped = [line.rstrip("\r\n") for line in lines]
     starts = [i for i in range(1, len(lines) - 3)
               if stripped[i] == stripped[i + 2] == SECTION_RULE and stripped[i + 1].startswith("# ")
               and not stripped[i - 1] and not stripped[i + 3]]
     names = [FIRST_FILE] + [stripped[i + 1][2:] for i in starts]
+    bad = next((n for n in names if Path(n).name != n or n in ("", ".", "..") or names.count(n) > 1), None)
+    if bad is not None:
+        raise RecordsError(f"{path}: the logged file name {bad!r} is no file name, or comes twice; "
+                           f"was the log edited?")
     begins = [0] + [i + 4 for i in starts]  # each file's first line
     ends = [i - 1 for i in starts] + [len(lines)]  # past its last line: the blank line before the next header
     return {name: "".join(lines[begin:end]) for name, begin, end in zip(names, begins, ends)}
@@ -207,7 +212,7 @@ def parse_log(path: Path) -> Log:
             resumed = True
         else:
             cpu_env += [setting for prefix, env in CPU_ENV_SETTINGS.items() if line.startswith(prefix) for setting in env]
-    sources = split_sources(source) if source is not None else {}
+    sources = split_sources(source, path) if source is not None else {}
     return Log(path, source, sources, header, preset, hparam_lines, hparams, vals, world_size, cpu_env, resumed)
 
 
@@ -656,14 +661,16 @@ def cmd_check(args) -> int:
     files = {name: script if name == FIRST_FILE else script.parent / name for name in log.require_sources()}
     diff = []
     for name, path in files.items():
+        if not path.exists():
+            diff.append(f"{path}: not in this checkout (the log holds {name})")
+            continue
         try:
             current = path.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
             raise RecordsError(f"{path}: cannot read ({e.strerror or e})") from None
-        if not current.endswith("\n"):
-            current += "\n"  # train_gpt.py logs each source with a final newline
-        diff += difflib.unified_diff(current.splitlines(), log.sources[name].splitlines(), f"{path}",
-                                     f"{log.path} ({name})", n=1, lineterm="")
+        # blank lines at the end do not count: other forks log a file with one more
+        diff += difflib.unified_diff(current.rstrip("\n").splitlines(), log.sources[name].rstrip("\n").splitlines(),
+                                     f"{path}", f"{log.path} ({name})", n=1, lineterm="")
     if not diff:
         print(f"{log.path}: source is exactly {', '.join(map(str, files.values()))}")
         return 0
@@ -676,22 +683,35 @@ def cmd_check(args) -> int:
 
 
 def cmd_source(args) -> int:
-    """Writes each file the log holds into DIR under its own name, never over an existing file."""
+    """Writes each file the log holds into DIR under its own name: all of them or none, never over an
+    existing file (each is written to a temporary file, then linked to its name)."""
     log = parse_log(Path(args.log))
     sources = log.require_sources()
     folder = Path(args.dir)
     taken = [str(folder / name) for name in sources if (folder / name).exists()]
     if taken:
         raise RecordsError(f"{', '.join(taken)} exists; pick an empty folder for {log.path}'s source")
+    umask = os.umask(0)
+    os.umask(umask)
+    temporary, linked = [], []
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in sources.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+            temporary.append(tmp)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
-            os.replace(tmp, folder / name)
+            os.chmod(tmp, 0o666 & ~umask)  # as a file made with open(); mkstemp makes it 0600
+        for name, tmp in zip(sources, temporary):
+            os.link(tmp, folder / name)  # fails, instead of overwriting, when the name was taken meanwhile
+            linked.append(folder / name)
     except OSError as e:
-        raise RecordsError(f"{folder}: cannot write there ({e.strerror or e})") from None
+        for path in linked:
+            path.unlink()
+        raise RecordsError(f"{e.filename or folder}: cannot write there ({e.strerror or e})") from None
+    finally:
+        for tmp in temporary:
+            os.unlink(tmp)
     print(f"wrote {', '.join(str(folder / name) for name in sources)}; run them from the repository root with "
           f"python {folder / FIRST_FILE} and the logged hyperparameters")
     return 0
@@ -710,7 +730,7 @@ def diff_stat(old: str, new: str) -> tuple[int, int, int]:
     return added, removed, hunks
 
 
-def previous_record_note(track_dir: Path, folder_name: str, source: str) -> str:
+def previous_record_note(track_dir: Path, folder_name: str, files: dict[str, str]) -> str:
     """The diff line against the newest record of the same date or earlier (a record submitted now
     is the newest of its date)."""
     older = [p for p in record_folders(track_dir) if record_date(p.name) <= record_date(folder_name)]
@@ -722,16 +742,15 @@ def previous_record_note(track_dir: Path, folder_name: str, source: str) -> str:
         logs = record_logs(prev)
         if not logs:
             return f"The previous record, `{rel}`, holds no logs to compare with."
-        prev_source = parse_log(logs[0]).require_source()
+        prev_files = parse_log(logs[0]).require_sources()
     except RecordsError as e:
         return f"The previous record, `{rel}`, could not be compared: {e}"
-    if prev_source == source:
+    if prev_files == files:
         return f"The source is identical to that of the previous record, `{rel}`."
-    prev_files, files = split_sources(prev_source), split_sources(source)
     stats = [(name, *diff_stat(prev_files.get(name, ""), files.get(name, "")))
              for name in [*files, *(n for n in prev_files if n not in files)]]
     changed = "; ".join(f"{name}, {added} insertion(s)(+), {removed} deletion(s)(-) in {hunks} hunk(s)"
-                        for name, added, removed, hunks in stats if added or removed)
+                        for name, added, removed, hunks in stats if added or removed) or "line endings only"
     return (f"Source diff against the previous record, `{rel}`: {changed}; "
             f"`python tools/records.py diff {rel} records/{track_dir.name}/{folder_name}` shows it.")
 
@@ -807,7 +826,7 @@ def cmd_submit(args) -> int:
         raise RecordsError(f"{folder} exists; pick another --name or --date")
 
     submitted = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")  # orders records of one date
-    readme = readme_text(args.track, args.name, date, logs, previous_record_note(track_dir, folder.name, logs[0].source),
+    readme = readme_text(args.track, args.name, date, logs, previous_record_note(track_dir, folder.name, logs[0].sources),
                          submitted)
     track_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".submit-{folder.name}.", dir=track_dir))

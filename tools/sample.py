@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "data"))
 
 import torch
 
+import run_support
 import train_gpt
 from gpt2_tokenizer import ENDOFTEXT, TokenizerError, get_gpt2_encoding
 
@@ -113,7 +114,7 @@ def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window_blocks,
     if (cache.masks is None or cache.masks_window != window_blocks or end > cache.masks_start + cache.masks[0].size(0)
             or bool((tokens == EOT).any())):
         padded = pad_to_blocks(seen)
-        cache.masks = tuple(mask[start:] for mask in train_gpt.attention_masks(padded, window_blocks, "sdpa"))
+        cache.masks = train_gpt.attention_masks(padded, window_blocks, "sdpa", first_query=start)
         cache.masks_start, cache.masks_window = start, window_blocks
     rows = slice(start - cache.masks_start, end - cache.masks_start)
     x = model.trunk(tokens, tuple(mask[rows, :end] for mask in cache.masks), cache)
@@ -128,13 +129,14 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     checkpoint's step. A file that does not hold such a model raises a
     one-line ConfigError naming it."""
     path = Path(path)
-    state = train_gpt.support.read_checkpoint(path, train_gpt.CHECKPOINT_KEYS)
+    state = run_support.read_checkpoint(path, train_gpt.CHECKPOINT_KEYS)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
     max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
     try:
+        train_gpt.check_hyperparameters(args, 1)
         model = train_gpt.build_model(args, max_seq_len)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:  # ConfigError is a ValueError
         raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in state["model"].items()}
