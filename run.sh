@@ -6,8 +6,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
-# Prints the CUDA GPU count and the dtype dtype=auto picks here (train_gpt.auto_dtype) when $1 imports torch
-# and every package at the version requirements.txt pins with ==; fails otherwise. One slow interpreter start.
+# Prints the CUDA GPU count, the dtype dtype=auto picks here and why NVIDIA GPUs are unusable (if so) when $1
+# imports torch and every package at the version requirements.txt pins with ==; fails otherwise. One start.
 deps_ok() {
   "$1" - <<'PY' 2>/dev/null
 import importlib.metadata, re, sys
@@ -20,8 +20,9 @@ print(torch.cuda.device_count())
 try:
     import train_gpt
     print(train_gpt.auto_dtype(torch.device("cpu"))[0])
+    print(train_gpt.support.unusable_gpus_message() or "")
 except Exception:  # a train_gpt.py that does not import says why when it runs
-    print("unknown")
+    print("unknown\n")
 PY
 }
 
@@ -38,13 +39,17 @@ if ! found=$(deps_ok "$PY"); then
   "$PY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
   found=$(deps_ok "$PY") || { echo "run.sh: the requirements still do not import in .venv; see the pip output above" >&2; exit 1; }
 fi
-gpus=${found%%$'\n'*} auto_dtype=${found##*$'\n'}
+{ read -r gpus; read -r auto_dtype; read -r unusable_gpus || true; } <<< "$found"  # $(...) drops an empty last line
 
 if [ "${1:-}" = "test" ]; then
   shift
   exec "$PY" -m pytest tests "$@"
 fi
 
+if [ -n "$unusable_gpus" ]; then
+  echo "run.sh: $unusable_gpus" >&2
+  exit 1
+fi
 if [ "$gpus" -gt 0 ]; then
   # The record preset reads about 700M training tokens: 8 shards of 100M, plus the validation shard.
   "$PY" data/cached_fineweb10B.py 8

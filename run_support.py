@@ -24,13 +24,27 @@ SEPARATOR = "=" * 100  # ends the logged sources; tools/records.py splits logs o
 SECTION_RULE = "-" * 40  # each logged file after the first: a blank line, the rule, "# NAME", the rule, a blank line
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
 THP_SETTING = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator reads it once, at start-up: 1 or 0
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+# Dense bf16 tensor-core peaks of NVIDIA's datasheets, by a part of torch's device name: the most specific first.
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
+                   ("H800 PCIe", 756e12), ("H800", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
+                   ("L4", 121e12), ("RTX 4090", 165e12)]
 PEAK_MEASURE_SECONDS = 1.0  # long enough to average out a thread's warm-up, short beside any run
 PEAK_MEASURE_SIZE = {"cpu": 2048, "cuda": 8192}  # square matmuls on the plateau of each device's speed
 
 
 class ConfigError(ValueError):
     """A setting, path or checkpoint the run cannot use; the message names it and says what to do."""
+
+
+class WriteError(OSError):
+    """A checkpoint or the log could not be written: the message names the file and the OS's reason."""
+
+
+def os_reason(error: BaseException) -> str:
+    """The OS's own words for a failed write, which torch's serializer wraps in its own errors."""
+    while error is not None and not (isinstance(error, OSError) and error.strerror):
+        error = error.__cause__ or error.__context__
+    return error.strerror if error is not None else "unknown error"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -69,13 +83,19 @@ class RunLog:
             return
         if console:
             print(message, flush=True)
-        self.file.write(message + "\n")
-        self.file.flush()
+        self.write(message + "\n")
+
+    def write(self, text: str):
+        try:
+            self.file.write(text)
+            self.file.flush()
+        except OSError as e:  # a run whose log cannot be written stops: its record would be lost
+            raise WriteError(f"{self.path}: the log could not be written ({os_reason(e)}); the run stops") from None
 
     def header(self, sources: str, args, preset: str, device: torch.device, world_size: int, choices):
         """The logged sources, then what a reader needs to reproduce or compare the run."""
         if self.file is not None:
-            self.file.write(sources + SEPARATOR + "\n")
+            self.write(sources + SEPARATOR + "\n")
         self(f"python {sys.version.split()[0]} | torch {torch.__version__}"
              f"{f' | CUDA {torch.version.cuda}' if torch.version.cuda else ''}", console=False)
         for line in describe_hardware(device, world_size):
@@ -89,7 +109,10 @@ class RunLog:
 
     def close(self):
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # what could not be written has ended the run already, naming the log
+                pass
 
 
 def describe_hardware(device: torch.device, world_size: int) -> list[str]:
@@ -157,7 +180,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_
     datasheet's dense bf16 peak for known GPUs, else square matmuls in the run's dtype, timed here."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        known = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+        known = next((flops for gpu, flops in PEAK_BF16_FLOPS if gpu in name), None)
         if known:
             return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
     size = PEAK_MEASURE_SIZE[device.type if device.type == "cuda" else "cpu"]
@@ -219,12 +242,16 @@ def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
 
 
 def write_checkpoint(path: Path, state: dict):
-    """Written to a temporary file and renamed: a final name never holds a partial checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Written to a temporary file and renamed: a final name never holds a partial checkpoint. A file
+    that cannot be written (a full disk, a size limit) raises WriteError."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(state, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:  # through a Python file, a failed write keeps the OS's error
+            torch.save(state, f)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        raise WriteError(f"{path}: the checkpoint could not be written ({os_reason(e)})") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -325,21 +352,58 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, argv: list[str], world_size: int,
+def stopped_after(signum: int, step: int, save, run_id: str, argv: list[str], world_size: int,
                   log: RunLog) -> Preempted:
-    """Saves a checkpoint of the finished step unless one exists (save(step) returns its path), and
-    says how to resume from it."""
+    """Saves a checkpoint of the finished step (save(step), on every rank, returns its path) and says
+    how to resume from it."""
     name = signal.Signals(signum).name
-    path = next((p for p in reversed(saved) if p.name == f"step_{step:06d}.pt"), None)
-    if path is None:
-        try:
-            path = save(step)
-        except OSError as e:
-            message = f"{name} after step {step}: no checkpoint saved ({e.strerror or e}); the run cannot be resumed from here"
-            log(message)
-            return Preempted(signum, message)
+    try:
+        path = save(step)
+    except OSError as e:
+        message = f"{name} after step {step}: no checkpoint saved ({e.strerror or e}); the run cannot be resumed from here"
+        log(message)
+        return Preempted(signum, message)
     kept = [a for a in argv if not a.startswith(("--resume", "--run_id"))]
     launcher = ["torchrun", "--standalone", f"--nproc_per_node={world_size}"] if world_size > 1 else ["python"]
     command = shlex.join([*launcher, "train_gpt.py", *kept, f"--run_id={run_id}", f"--resume={path}"])
     log(f"stopped by {name} after step {step}; checkpoint: {path}")
     return Preempted(signum, f"stopped by {name} after step {step}; resume with: {command}")
+
+
+# ------------------------------------------------------------------------------------------------
+# NVIDIA GPUs that this torch cannot use
+
+CPU_ON_GPU_MACHINE = "TRAIN_GPT_ALLOW_CPU"  # =1: train on the CPU of a machine whose NVIDIA GPUs torch cannot use
+CUDA_WHEEL_INDEX = "https://download.pytorch.org/whl/cu128"  # PyTorch's CUDA 12.8 builds: drivers of the R570 series on
+
+
+def nvidia_gpus(proc: Path = Path("/proc/driver/nvidia")) -> tuple[list[str], str]:
+    """The NVIDIA GPUs the driver lists (nvidia-smi -L, else /proc/driver/nvidia/gpus) and its version."""
+    def smi(*args: str) -> list[str]:
+        try:
+            return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30).stdout.splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+    gpus = [line.split(":", 1)[1].split("(UUID")[0].strip() for line in smi("-L") if line.startswith("GPU ")]
+    driver = next(iter(smi("--query-gpu=driver_version", "--format=csv,noheader")), "").strip()
+    if not gpus and (proc / "gpus").is_dir():
+        gpus = [f"PCI {entry.name}" for entry in sorted((proc / "gpus").iterdir())]
+    if not driver and (proc / "version").is_file():  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06 ..."
+        driver = next((w for w in (proc / "version").read_text().split() if w[:1].isdigit() and "." in w), "")
+    return gpus, driver or "unknown"
+
+
+def unusable_gpus_message(environ=os.environ, proc: Path = Path("/proc/driver/nvidia")) -> str | None:
+    """One line when NVIDIA GPUs are present but this torch cannot use them, so that a run would fall
+    back to the CPU without a word; None when there are none, torch can use them, or the user opted out."""
+    if torch.cuda.is_available() or environ.get(CPU_ON_GPU_MACHINE) == "1":
+        return None
+    gpus, driver = nvidia_gpus(proc)
+    if not gpus:
+        return None
+    built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    version = torch.__version__.split("+")[0]
+    return (f"{len(gpus)} NVIDIA GPU(s) ({gpus[0]}) with driver {driver}, but torch {torch.__version__} ({built}) "
+            f"cannot use them; install torch {version} built for a CUDA that driver supports: "
+            f"{sys.executable} -m pip install torch=={version} --index-url {CUDA_WHEEL_INDEX} "
+            f"(or set {CPU_ON_GPU_MACHINE}=1 to train on the CPU)")

@@ -64,9 +64,13 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 def setup_distributed() -> tuple[int, int, torch.device]:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    unusable_gpus = support.unusable_gpus_message()  # GPUs that this torch cannot use: never a silent CPU run
+    if unusable_gpus:
+        raise ConfigError(unusable_gpus)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.empty(1, device="cuda", requires_grad=True).backward()  # the record's: prevents a bug on some systems
     if world_size > 1 and not dist.is_initialized():
         # A rank that dies is noticed by torchrun, which stops the others; the timeout bounds the
         # wait of a rank whose peer hangs without dying.
@@ -248,17 +252,17 @@ NORMUON_EPS = 1e-10  # keeps NorMuon's divisions finite for an all-zero row or u
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden weight matrices (..., rows, cols).
 
-    Every rank keeps momentum for every parameter (cheap, and checkpoints do not depend on the world
-    size), but orthogonalizes only the matrices dealt to it, balanced by FLOPs. Matrices go in rounds:
-    round r holds each rank's r-th matrix; a round's results are all-gathered asynchronously while the
-    next round computes, then applied. Every rank applies the same updates, and each matrix is
-    orthogonalized alone, so its update has the same bits at any world size. A single process is
-    world size 1: the same code with no communication. The device plan says whether to compile the
-    orthogonalization (on CUDA).
+    Each rank owns the matrices dealt to it, balanced by FLOPs: it alone keeps their momentum and
+    orthogonalizes them. Matrices go in rounds: round r holds each rank's r-th matrix; a round's
+    results are all-gathered asynchronously while the next round computes, then applied by every
+    rank. Each matrix is orthogonalized alone, so its update has the same bits at any world size; a
+    single process is world size 1, the same code without communication. state_dict() gathers every
+    matrix's state from its owner and load_state_dict() keeps a rank's own: checkpoints resume on any
+    world size. The device plan says whether to compile the orthogonalization (on CUDA).
 
     Two options, off by default (the record): neuron_beta2 > 0 normalizes each orthogonalized update
-    per neuron (NorMuon), and the group's weight_decay applies cautious weight decay; both run on
-    every rank after the all-gather, so their state too is the same at any world size.
+    per neuron on its owner (NorMuon; its result goes out in float32), and the group's weight_decay
+    applies cautious weight decay on every rank after the all-gather.
     """
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
@@ -272,15 +276,16 @@ class Muon(torch.optim.Optimizer):
         self.neuron_beta2 = neuron_beta2
         self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
         dealt = deal_by_cost([orthogonalization_flops(p.shape) for p in params], world_size)
-        self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank orthogonalizes
+        self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank owns
         self.rounds = [[mine[r] if r < len(mine) else None for mine in self.dealt]
                        for r in range(max(map(len, self.dealt)))]
+        self.update_dtype = torch.float32 if neuron_beta2 else dtype  # what the all-gather carries
 
     @torch.no_grad()
     def step(self):
         group = self.param_groups[0]
         momentum, nesterov = group["momentum"], group["nesterov"]
-        for p in group["params"]:
+        for p in self.dealt[self.rank]:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
@@ -289,11 +294,11 @@ class Muon(torch.optim.Optimizer):
         for round_params in self.rounds:
             size = max(p.numel() for p in round_params if p is not None)
             local = round_params[self.rank]
-            out = torch.zeros(size, dtype=self.dtype, device=group["params"][0].device)
+            out = torch.zeros(size, dtype=self.update_dtype, device=group["params"][0].device)
             if local is not None:
                 buf = self.state[local]["momentum_buffer"]
-                update = local.grad.lerp(buf, momentum) if nesterov else buf
-                out[:local.numel()] = self.orthogonalize(update, self.method, self.dtype).flatten()
+                update = self.orthogonalize(local.grad.lerp(buf, momentum) if nesterov else buf, self.method, self.dtype)
+                out[:local.numel()] = (self._normalize_neurons(local, update) if self.neuron_beta2 else update).flatten()
             if self.world_size > 1:
                 gathered = out.new_empty(size * self.world_size)
                 handle = dist.all_gather_into_tensor(gathered, out, async_op=True)
@@ -313,8 +318,6 @@ class Muon(torch.optim.Optimizer):
             if p is not None:
                 rows, cols = p.shape[-2:]
                 update = gathered[k * size:k * size + p.numel()].view_as(p)
-                if self.neuron_beta2:
-                    update = self._normalize_neurons(p, update)
                 if weight_decay:
                     # Cautious: decay only the entries that this step also moves toward zero.
                     p.sub_(p * (update * p > 0) * (lr * weight_decay))
@@ -333,6 +336,49 @@ class Muon(torch.optim.Optimizer):
         normalized = update / (second_moment.sqrt() + NORMUON_EPS)
         update_norm = update.norm(dim=(-2, -1), keepdim=True)
         return normalized * (update_norm / (normalized.norm(dim=(-2, -1), keepdim=True) + NORMUON_EPS))
+
+    def state_dict(self) -> dict:
+        """Every matrix's state, gathered from its owner: a collective, which every rank calls."""
+        others = [p for mine in self.dealt[:self.rank] + self.dealt[self.rank + 1:] for p in mine]
+        for key in ("momentum_buffer", "neuron_second_moment") if self.world_size > 1 else ():
+            self._gather_state(key)
+        state = super().state_dict()
+        for p in others:  # the state dict keeps them; this rank goes on without
+            self.state.pop(p, None)
+        return state
+
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)
+        mine = set(self.dealt[self.rank])
+        for p in [p for p in self.state if p not in mine]:
+            del self.state[p]
+
+    def _gather_state(self, key: str):
+        """state[key] of every matrix on every rank, from the owners, round by round as in step()."""
+        first = next(iter(self.dealt[self.rank]), None)
+        present = torch.tensor([int(first is not None and key in self.state[first])],
+                               device=self.param_groups[0]["params"][0].device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)  # a rank that owns no matrix does not know
+        if not present:
+            return
+        for round_params in self.rounds:
+            shapes = [None if p is None else self._state_shape(p, key) for p in round_params]
+            size = max(math.prod(shape) for shape in shapes if shape is not None)
+            out = torch.zeros(size, dtype=torch.float32, device=present.device)
+            if round_params[self.rank] is not None:
+                out[:math.prod(shapes[self.rank])] = self.state[round_params[self.rank]][key].flatten()
+            gathered = out.new_empty(size * self.world_size)
+            dist.all_gather_into_tensor(gathered, out)
+            for k, p in enumerate(round_params):
+                if p is not None and k != self.rank:
+                    self.state[p][key] = gathered[k * size:k * size + math.prod(shapes[k])].view(shapes[k]).clone()
+
+    @staticmethod
+    def _state_shape(p: Tensor, key: str) -> tuple:
+        if key == "momentum_buffer":
+            return tuple(p.shape)
+        rows, cols = p.shape[-2:]  # NorMuon's mean square: per row of a tall or square matrix, else per column
+        return (*p.shape[:-2], rows, 1) if rows >= cols else (*p.shape[:-2], 1, cols)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -719,10 +765,11 @@ class GradientBuckets:
     """Gradient averaging over ranks in buckets of about bucket_bytes, launched during backward.
 
     Parameters are packed in the order their gradients become ready; a bucket closes when full or
-    when the dtype changes (a bucket is one flat buffer). On the last micro-step of an optimizer
-    step, each parameter's post-accumulate-grad hook counts its bucket's ready gradients, and the
-    hook completing a bucket launches its async all-reduce. Earlier micro-steps only accumulate.
-    wait_for_gradients() waits for every bucket, copies the averages back and resets the counts.
+    when the dtype changes. Each bucket is one flat buffer, and each parameter's .grad a view of its
+    part: backward adds into it, the all-reduce averages it in place, and no gradient is copied. On
+    the last micro-step of an optimizer step, each parameter's post-accumulate-grad hook counts its
+    bucket's ready gradients, and the hook completing a bucket launches its async all-reduce.
+    wait_for_gradients() waits for every bucket and resets the counts; zero_grad() zeroes the buffers.
 
     With sum_dtype=torch.float64, every micro-step's gradients are added into float64 buffers (and
     the parameters' .grad dropped), and the all-reduce runs in float64 too. A sum of a few float32 or
@@ -745,7 +792,10 @@ class GradientBuckets:
         self.offset_of = {p: sum(q.numel() for q in bucket[:i])
                           for bucket in self.buckets for i, p in enumerate(bucket)}
         self.flat = [torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype or bucket[0].dtype, device=bucket[0].device)
-                     if sum_dtype is not None or len(bucket) > 1 else None for bucket in self.buckets]
+                     for bucket in self.buckets]
+        if sum_dtype is None:
+            for p in params_in_ready_order:
+                p.grad = self._slice(p).view_as(p)
         self.ready = [0] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.reductions = [0] * len(self.buckets)  # all-reduces launched per bucket over the run
@@ -776,13 +826,7 @@ class GradientBuckets:
             raise RuntimeError(f"gradient bucket {b} got more gradients than it has parameters in one step")
         if self.ready[b] < len(self.buckets[b]) or self.world_size == 1:
             return
-        if self.flat[b] is None:
-            tensor = p.grad
-        else:
-            tensor = self.flat[b]
-            if self.sum_dtype is None:
-                torch.cat([q.grad.view(-1) for q in self.buckets[b]], out=tensor)
-        self.handles[b] = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+        self.handles[b] = dist.all_reduce(self.flat[b], op=dist.ReduceOp.AVG, async_op=True)
         self.reductions[b] += 1
 
     def wait_for_gradients(self):
@@ -792,18 +836,22 @@ class GradientBuckets:
                                    f"of its {len(bucket)} parameters got no gradient this step")
             if self.handles[b] is not None:
                 self.handles[b].wait()
-            if self.flat[b] is None:
-                continue
-            for p in bucket:
-                if self.sum_dtype is None:
-                    p.grad.view(-1).copy_(self._slice(p))
-                else:
-                    p.grad = self._slice(p).view_as(p).to(p.dtype, copy=True)
             if self.sum_dtype is not None:
+                for p in bucket:
+                    p.grad = self._slice(p).view_as(p).to(p.dtype, copy=True)
                 self.flat[b].zero_()
         self.ready = [0] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.steps += 1
+
+    def zero_grad(self):
+        """After the optimizer step: gradients start again from zero, in their buffers."""
+        for bucket, flat in zip(self.buckets, self.flat):
+            if self.sum_dtype is None:
+                flat.zero_()
+            else:
+                for p in bucket:
+                    p.grad = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -812,8 +860,9 @@ class GradientBuckets:
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 
 
-def load_shard(path: Path, vocab_size: int, pin_memory: bool = False) -> Tensor:
-    """All tokens of one shard, validated (header, size, every id below vocab_size), as a uint16 tensor."""
+def load_shard(path: Path, vocab_size: int | None, pin_memory: bool = False) -> Tensor:
+    """All tokens of one shard as a uint16 tensor, validated: its header and size, and every id below
+    vocab_size unless that is None (the caller checks them later with check_token_ids)."""
     size = path.stat().st_size
     header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     if header.size < SHARD_HEADER_INTS:
@@ -830,14 +879,19 @@ def load_shard(path: Path, vocab_size: int, pin_memory: bool = False) -> Tensor:
     with open(path, "rb", buffering=0) as f:
         f.seek(4 * SHARD_HEADER_INTS)
         f.readinto(tokens.numpy())
-    # One pass over the shard: an id past the embedding would crash deep inside the model (on CUDA as
-    # a device-side assert in every rank) without naming the file.
+    if vocab_size is not None:
+        check_token_ids(path, tokens, vocab_size)
+    return tokens
+
+
+def check_token_ids(path: Path, tokens: Tensor, vocab_size: int):
+    """One pass over a shard: an id past the embedding would crash deep inside the model (on CUDA as a
+    device-side assert in every rank) without naming the file."""
     ids = tokens.numpy()
-    if num_tokens and ids.max() >= vocab_size:
+    if ids.size and ids.max() >= vocab_size:
         position = int(np.argmax(ids >= vocab_size))
         raise DataError(f"{path}: token id {ids[position]} at position {position} is not below vocab_size={vocab_size}; "
                         f"the shard is corrupt or made with another tokenizer")
-    return tokens
 
 
 def shard_paths(pattern: str, what: str) -> list[Path]:
@@ -852,7 +906,12 @@ class TokenStream:
     """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets)
     taken consecutively from the shards; rank r gets slots r, r + W, r + 2W, ... (one per micro-step).
     Wraps around to the first shard after the last. state_dict() is the exact read position.
-    pin_memory: shards in pinned host memory and batches copied to the device without blocking."""
+    pin_memory: shards in pinned host memory and batches copied to the device without blocking.
+
+    A shard is read when its first batch is asked for, as the record reads them: on the training clock.
+    Its token ids are checked once (the record does not), timed in check_seconds for the clock to leave
+    out; the first shard, or a resumed run's, is checked when the stream is made, so that bad data
+    stops a run before anything is written."""
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False):
@@ -860,13 +919,20 @@ class TokenStream:
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
         self.pin_memory = pin_memory
         self.shard_index, self.pos, self.epoch = 0, 0, 0
-        self.tokens = self._load(0)
+        self.checked, self.check_seconds = set(), 0.0
+        self.tokens = None
+        self._load(0)  # checked now, read again for the first batch
 
     def _load(self, index: int) -> Tensor:
-        tokens = load_shard(self.paths[index], self.vocab_size, self.pin_memory)
+        tokens = load_shard(self.paths[index], None, self.pin_memory)
         if len(tokens) < self.num_slots * self.seq_len + 1:
             raise DataError(f"{self.paths[index]}: {len(tokens)} tokens, fewer than one batch "
                             f"({self.num_slots} x {self.seq_len} + 1)")
+        if index not in self.checked:
+            start = time.perf_counter()
+            check_token_ids(self.paths[index], tokens, self.vocab_size)
+            self.checked.add(index)
+            self.check_seconds += time.perf_counter() - start
         return tokens
 
     def state_dict(self) -> dict:
@@ -876,14 +942,16 @@ class TokenStream:
         if state["shard_index"] >= len(self.paths):
             raise DataError(f"checkpoint reads shard #{state['shard_index']} but only {len(self.paths)} shards match")
         self.shard_index, self.pos, self.epoch = state["shard_index"], state["pos"], state["epoch"]
-        self.tokens = self._load(self.shard_index)
+        self.tokens = None
+        self._load(self.shard_index)
 
     def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
         batch_tokens = self.num_slots * self.seq_len
-        if self.pos + batch_tokens + 1 > len(self.tokens):
+        if self.tokens is not None and self.pos + batch_tokens + 1 > len(self.tokens):
             self.shard_index = (self.shard_index + 1) % len(self.paths)
             self.epoch += self.shard_index == 0
-            self.pos = 0
+            self.pos, self.tokens = 0, None
+        if self.tokens is None:
             self.tokens = self._load(self.shard_index)
         micro_batches = []
         for slot in range(rank, self.num_slots, world_size):
@@ -1349,7 +1417,10 @@ class Trainer:
             group["weight_decay"] = muon_weight_decay(step, self.args)
         for optimizer in self.optimizers:
             optimizer.step()
-        self.model.zero_grad(set_to_none=True)
+        if self.buckets is not None:
+            self.buckets.zero_grad()
+        else:
+            self.model.zero_grad(set_to_none=True)
         loss = total / (self.grad_accum_steps * self.args.seq_len)
         self.nonfinite_step = torch.where((self.nonfinite_step < 0) & ~torch.isfinite(loss), step + 1, self.nonfinite_step)
         return loss
@@ -1420,6 +1491,24 @@ def check_resumable(state: dict, path: Path, args: Hyperparameters):
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
 
 
+def save_checkpoint(trainer: Trainer, stream: TokenStream, clock: support.TrainingClock, run_id: str,
+                    log: support.RunLog, saved: list[Path], step: int, periodic: bool = False) -> Path:
+    """Called on every rank (Muon gathers its state), written by rank 0 and added to saved. A periodic
+    save that fails is logged and training goes on; any other raises WriteError."""
+    path = support.checkpoint_path(trainer.args.checkpoint_dir, run_id, step)
+    state = checkpoint_state(trainer, step, stream, clock)
+    try:
+        if trainer.rank == 0:
+            support.write_checkpoint(path, state)
+    except support.WriteError as e:
+        if not periodic:
+            raise
+        log(f"{e}; training goes on, the last checkpoint is {saved[-1] if saved else 'none yet'}")
+        return path
+    saved.append(path)
+    return path
+
+
 def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: support.RunLog, run_id: str,
                   start_step: int, clock: support.TrainingClock, stop: support.StopSignals,
                   argv: list[str]) -> tuple[dict, dict, list[Path]]:
@@ -1432,11 +1521,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         trainer.synchronize()
         clock.training_ms += 1000 * (time.perf_counter() - t0)
 
-    def save(step: int) -> Path:
-        checkpoints.append(support.checkpoint_path(args.checkpoint_dir, run_id, step))
-        if rank == 0:
-            support.write_checkpoint(checkpoints[-1], checkpoint_state(trainer, step, stream, clock))
-        return checkpoints[-1]
+    save = functools.partial(save_checkpoint, trainer, stream, clock, run_id, log, checkpoints)
 
     trainer.synchronize()
     t0 = time.perf_counter()
@@ -1455,7 +1540,10 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             t0 = time.perf_counter()
         if last:
             break
-        loss = trainer.train_step(step, stream.next_batch(rank, world_size))
+        checked = stream.check_seconds
+        batch = stream.next_batch(rank, world_size)
+        t0 += stream.check_seconds - checked  # our check of a new shard's token ids: not the record's, off the clock
+        loss = trainer.train_step(step, batch)
         clock.timed_steps += 1
         elapsed_ms = clock.training_ms + 1000 * (time.perf_counter() - t0)
         if clock.timed_steps == 1:
@@ -1469,12 +1557,12 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             log(f"step:{step + 1}/{args.num_iterations} {timing}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.num_iterations:
             pause_clock()
-            save(step + 1)
+            save(step + 1, periodic=True)
             t0 = time.perf_counter()
         signum = stop.agreed()
         if signum:
             pause_clock()
-            raise support.stopped_after(signum, step + 1, save, checkpoints, run_id, argv, world_size, log)
+            raise support.stopped_after(signum, step + 1, save, run_id, argv, world_size, log)
     if args.save_checkpoint:
         save(args.num_iterations)
     return val_losses, train_losses, checkpoints
@@ -1566,7 +1654,7 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         main()
-    except (ConfigError, DataError, FloatingPointError) as e:
+    except (ConfigError, DataError, FloatingPointError, support.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except support.Preempted as e:

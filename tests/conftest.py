@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +100,22 @@ def tiny_shards(tmp_path_factory):
         tokens = (rng.zipf(1.2, n) - 1) % TINY_VOCAB
         shards.write_shard(folder / f"tiny_{name}_000000.bin", tokens)
     return [f"--train_files={folder}/tiny_train_*.bin", f"--val_files={folder}/tiny_val_*.bin"]
+
+
+class CopiedBytes(TorchDispatchMode):
+    """Bytes written by the ops that copy tensor data (copy_, cat, clone, a dtype or device change),
+    made while the mode is on."""
+
+    COPIES = {torch.ops.aten.copy_.default, torch.ops.aten.cat.default, torch.ops.aten.cat.out,
+              torch.ops.aten.clone.default, torch.ops.aten._to_copy.default}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.COPIES:
+            written = args[0] if func is torch.ops.aten.copy_.default else out
+            self.bytes += written.numel() * written.element_size()
+        return out

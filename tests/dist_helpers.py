@@ -8,7 +8,8 @@ MODE is one of:
           trains on its own gradients; the comparison with one process must catch it.
   record  every bucket all-reduce launch is recorded (optimizer step, micro-step, bucket, whether it was
           the last micro-step, how many gradients of that backward were ready) and written with the
-          buckets' parameter shapes to $DIST_HELPERS_OUT/rank<R>.json.
+          buckets' parameter shapes and the bytes their hooks and waits copied (conftest.CopiedBytes)
+          to $DIST_HELPERS_OUT/rank<R>.json.
   fail    train_gpt.py runs as __main__ (its own error handling), but rank 1 raises
           RuntimeError("injected failure on rank 1") in its 3rd Adam step.
 
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train_gpt  # noqa: E402
+from conftest import CopiedBytes  # noqa: E402  (this script's folder is on sys.path)
 
 RANK = int(os.environ.get("RANK", 0))
 
@@ -45,15 +47,19 @@ class RecordingBuckets(train_gpt.GradientBuckets):
 
     def __init__(self, params_in_ready_order, *args):
         super().__init__(params_in_ready_order, *args)
+        self.params = params_in_ready_order
         self.num_params = len(params_in_ready_order)
         self.hook_calls = 0  # within the current optimizer step
         self.events = []
+        self.copied_bytes = 0
         RecordingBuckets.instances.append(self)
 
     def _on_grad_ready(self, p):
         self.hook_calls += 1  # every backward fires each parameter's hook exactly once
         before = list(self.handles)
-        super()._on_grad_ready(p)
+        with CopiedBytes() as copied:
+            super()._on_grad_ready(p)
+        self.copied_bytes += copied.bytes
         for b, (old, new) in enumerate(zip(before, self.handles)):
             if old is None and new is not None:
                 self.events.append(dict(step=self.steps, micro_step=(self.hook_calls - 1) // self.num_params,
@@ -61,12 +67,15 @@ class RecordingBuckets(train_gpt.GradientBuckets):
                                         grads_ready=(self.hook_calls - 1) % self.num_params + 1))
 
     def wait_for_gradients(self):
-        super().wait_for_gradients()
+        with CopiedBytes() as copied:
+            super().wait_for_gradients()
+        self.copied_bytes += copied.bytes
         self.hook_calls = 0
 
     def summary(self) -> dict:
         return dict(num_params=self.num_params, steps=self.steps, reductions=self.reductions,
-                    bucket_shapes=[[list(p.shape) for p in bucket] for bucket in self.buckets], events=self.events)
+                    bucket_shapes=[[list(p.shape) for p in bucket] for bucket in self.buckets], events=self.events,
+                    copied_bytes=self.copied_bytes, grad_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
 
 def fail_in_third_adam_step():

@@ -124,3 +124,22 @@ def test_each_choice_is_checked_in_one_place_naming_the_valid_values(name, value
     assert str(error.value) == f"{name}={value!r}; choose one of {', '.join(valid)}"
     for good in valid:  # and every listed value passes
         train_gpt.check_hyperparameters(dataclasses.replace(args, **{name: good}), 1)
+
+
+def test_cuda_setup_runs_the_records_start_up_backward(monkeypatch):
+    """On CUDA, setup_distributed() selects the rank's GPU and runs the record's one-element backward
+    ("prevents a bug on some systems") before anything else touches autograd: CUDA's calls are faked."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))
+    empty = torch.empty
+
+    def recorded_empty(*args, device=None, **kwargs):
+        calls.append(("empty", device, kwargs.get("requires_grad")))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recorded_empty)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert train_gpt.setup_distributed() == (0, 1, torch.device("cuda", 3))
+    assert calls == [("set_device", "cuda:3"), ("empty", "cuda", True)]

@@ -221,6 +221,40 @@ def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards
             assert [e["bucket"] for e in events if e["step"] == step] == list(range(num_buckets))
         # overlap: the first bucket is on the wire before the last gradient of the backward is ready
         assert all(e["grads_ready"] < record["num_params"] for e in events if e["bucket"] == 0)
+        # the float64 sums are copied into the gradients' dtype once a step (the counter sees copies)
+        assert record["copied_bytes"] == ITERATIONS * record["grad_bytes"]
+
+
+def test_buckets_copy_no_gradient_bytes(tiny_shards, tmp_path):
+    """Without the float64 sums, gradients are views of their bucket's buffer: backward adds into it and
+    the all-reduce averages it in place, so the hooks and the wait copy nothing, in a 2-process step
+    with several buckets of several tensors; and the run trains as one process does, within rounding."""
+    out = tmp_path / "events"
+    args = train_args(tmp_path / "two", 4, *tiny_shards, "--bucket_mb=0.2", "--exact_grad_sum=false", iterations=4)
+    run = launch(tmp_path / "two", torchrun(2), HELPERS, args, mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
+    for rank in (0, 1):
+        [record] = json.loads((out / f"rank{rank}.json").read_text())
+        assert sum(len(b) > 1 for b in record["bucket_shapes"]) >= 2 and record["steps"] == 4
+        assert record["copied_bytes"] == 0
+    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
+                 train_args(tmp_path / "one", 4, *tiny_shards, "--exact_grad_sum=false", iterations=4))
+    pa, pb = one.params(), run.params()
+    assert max((pa[k] - pb[k]).abs().max().item() for k in pa) < 1e-4
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_process, tiny_shards, tmp_path):
+    """Muon's ranks keep only their own matrices' momentum; a checkpoint gathers it all, so two processes
+    saved at step 4 and one process resuming there end exactly as one process all along."""
+    two = launch(tmp_path / "two", torchrun(2), TRAIN_GPT,
+                 train_args(tmp_path / "two", 2, *tiny_shards, "--checkpoint_every=4"))
+    halfway = tmp_path / "two" / "ckpt" / "run" / "step_000004.pt"
+    momentum = torch.load(halfway, map_location="cpu", weights_only=True)["optimizers"][1]["state"]
+    assert len(momentum) == sum(p.ndim >= 2 for n, p in one_process.params().items() if n.startswith("blocks."))
+    resumed = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
+                     train_args(tmp_path / "one", 2, *tiny_shards, f"--resume={halfway}"))
+    pa, pb = one_process.params(), resumed.params()
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert {s: v for s, v in one_process.val_losses().items() if s >= 4} == resumed.val_losses()
 
 
 def test_a_failing_rank_brings_the_job_down(tiny_shards, tmp_path):

@@ -4,6 +4,7 @@ run then equals the uninterrupted one bit for bit (one process, and two under to
 
 import glob
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -21,9 +22,12 @@ import shards
 RESUME_LINE = re.compile(r"^stopped by (SIG\w+) after step (\d+); resume with: (.+)$", re.MULTILINE)
 
 
-def run_script(tmp_path, *args, timeout=180):
+def run_script(tmp_path, *args, timeout=180, file_size_limit=None):
+    """train_gpt.py on the tiny run in a fresh process; file_size_limit: the largest file it may write
+    (RLIMIT_FSIZE, as `ulimit -f`): a full disk, for one file at a time."""
+    limit = None if file_size_limit is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit,) * 2)
     proc = subprocess.run([sys.executable, str(TRAIN_GPT), *TINY_RUN, *args], cwd=tmp_path, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=limit)
     return proc
 
 
@@ -78,6 +82,37 @@ def test_an_unwritable_log_dir_and_a_used_run_id_are_refused(tiny_shards, tmp_pa
     proc = run_script(tmp_path, *tiny_shards, f"--log_dir={tmp_path / 'logs'}", "--run_id=taken")
     assert_one_line_error(proc, f"{tmp_path / 'logs' / 'taken.txt'} already exists: run_id 'taken' was used before")
     assert (tmp_path / "logs" / "taken.txt").read_text() == "an earlier run's log\n"
+
+
+def test_a_periodic_checkpoint_that_cannot_be_written_is_logged_and_training_goes_on(tiny_shards, tmp_path):
+    """Checkpoints of the tiny run take about 2 MB; files of 1 MB at most may be written, so the log can
+    be and the checkpoints cannot: each periodic save is logged, naming the file and the OS's reason,
+    and the run ends normally, leaving no partial file."""
+    proc = run_script(tmp_path, *tiny_shards, "--num_iterations=4", "--checkpoint_every=2", "--run_id=full",
+                      f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ck'}", file_size_limit=2**20)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = tmp_path / "ck" / "full" / "step_000002.pt"
+    assert (f"{failed}: the checkpoint could not be written (File too large); training goes on, the last checkpoint "
+            f"is none yet") in (tmp_path / "logs" / "full.txt").read_text()
+    assert "step:4/4 val_loss:" in proc.stdout and "Traceback" not in proc.stderr
+    assert list((tmp_path / "ck" / "full").iterdir()) == []
+
+
+def test_a_final_checkpoint_that_cannot_be_written_ends_the_run_with_one_line(tiny_shards, tmp_path):
+    proc = run_script(tmp_path, *tiny_shards, "--num_iterations=2", "--save_checkpoint", "--run_id=final",
+                      f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ck'}", file_size_limit=2**20)
+    assert_one_line_error(proc, f"{tmp_path / 'ck' / 'final' / 'step_000002.pt'}: the checkpoint could not be "
+                                f"written (File too large)")
+    assert list((tmp_path / "ck" / "final").iterdir()) == []
+
+
+def test_a_log_that_cannot_be_written_ends_the_run_with_one_line(tiny_shards, tmp_path):
+    """The log begins with about 110 KB of source; files of 64 KB at most may be written."""
+    proc = run_script(tmp_path, *tiny_shards, "--num_iterations=2", "--run_id=nolog", f"--log_dir={tmp_path / 'logs'}",
+                      file_size_limit=64 * 2**10)
+    assert_one_line_error(proc, f"{tmp_path / 'logs' / 'nolog.txt'}: the log could not be written (File too large); "
+                                f"the run stops")
+    assert "step:" not in proc.stdout
 
 
 @pytest.mark.parametrize("resume, expected", [

@@ -83,3 +83,24 @@ def test_torch_takes_huge_pages_for_large_tensors_when_asked():
         assert grown_kib(False) < 2 * 1024
 
 
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+    ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L40S", 362),
+    ("NVIDIA L4", 121), ("NVIDIA GeForce RTX 4090", 165)])
+def test_mfu_peak_by_device_name(monkeypatch, name, tflops):
+    """The datasheet's dense bf16 peak for each known card, the most specific name winning (an H100 PCIe
+    is no SXM H100); the device query is faked, the only CUDA call on that path."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+    assert support.matmul_peak(torch.device("cuda"), torch.bfloat16) == (
+        tflops * 1e12, f"{tflops} TFLOP/s bf16 ({name} datasheet)")
+
+
+def test_an_unknown_device_is_measured(monkeypatch):
+    """A name not in the table is timed like a CPU: here the CPU itself, briefly."""
+    import torch
+    flops, source = support.matmul_peak(torch.device("cpu"), torch.float32, seconds=0.05)
+    assert flops > 0 and "GFLOP/s float32 measured" in source
+    assert not [gpu for gpu, _ in support.PEAK_BF16_FLOPS if gpu in "NVIDIA RTX A6000"]

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,39 @@ def test_a_non_finite_validation_loss_stops_the_run_naming_the_step(tiny_shards,
     monkeypatch.setattr(train_gpt.GPT, "forward", lambda self, *args: forward(self, *args) * (1 if self.training else math.inf))
     with pytest.raises(FloatingPointError, match="validation loss is non-finite at step 0"):
         run(tiny_shards, tmp_path, "--num_iterations=2", "--val_loss_every=1")
+
+
+def test_train_time_holds_the_shard_reads_but_not_our_token_check(tiny_shards, tmp_path, monkeypatch):
+    """As in the record, reading a shard is on the training clock, the first one included (it is read for
+    the first batch); checking its token ids is ours, off the clock. Two shards of one batch each, each
+    read made to take 0.3 s and each check 1 s: step 2's train_time holds both reads, not shard 2's check."""
+    import numpy as np
+    import shards
+    for i in range(2):
+        shards.write_shard(tmp_path / f"two_train_{i:06d}.bin", np.arange(300) % TINY_VOCAB)
+    reads, checks = [], []
+    load, check = train_gpt.load_shard, train_gpt.check_token_ids
+
+    def slow_load(path, *args):
+        reads.append(Path(path).name)
+        time.sleep(0.3)
+        return load(path, *args)
+
+    def slow_check(path, *args):
+        checks.append(Path(path).name)
+        time.sleep(1.0)
+        return check(path, *args)
+
+    monkeypatch.setattr(train_gpt, "load_shard", slow_load)
+    monkeypatch.setattr(train_gpt, "check_token_ids", slow_check)
+    result = run([f"--train_files={tmp_path}/two_train_*.bin", tiny_shards[1]], tmp_path, "--num_iterations=2",
+                 "--train_loss_every=1")
+    train = [f"two_train_{i:06d}.bin" for i in range(2)]
+    assert [r for r in reads if r in train] == [train[0], train[0], train[1]]  # checked first, then read for step 1
+    assert [c for c in checks if c in train] == train  # each once
+    text = Path(result["log_path"]).read_text()
+    times = [int(t) for t in re.findall(r"^step:\d/2 train_loss:\S+ train_time:(\d+)ms", text, re.M)]
+    assert 300 <= times[0] < 1000 and 600 <= times[1] < 1600, times
 
 
 def test_each_optimizer_group_gets_its_lr():
