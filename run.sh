@@ -19,10 +19,10 @@ import torch
 print(torch.cuda.device_count())
 try:
     import train_gpt
-    print(train_gpt.auto_dtype(torch.device("cpu"))[0])
-    print(train_gpt.support.unusable_gpus_message() or "")
+    found = train_gpt.auto_dtype(torch.device("cpu"))[0], train_gpt.support.unusable_gpus_message() or ""
 except Exception:  # a train_gpt.py that does not import says why when it runs
-    print("unknown\n")
+    found = "unknown", ""
+print(*found, sep="\n")
 PY
 }
 

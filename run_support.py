@@ -4,9 +4,11 @@ command. train_gpt.py logs this file's source after its own, so a log still hold
 ran. This module imports nothing from train_gpt.py.
 """
 
+import contextlib
 import dataclasses
 import os
 import platform
+import re
 import resource
 import shlex
 import signal
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +43,12 @@ class WriteError(OSError):
     """A checkpoint or the log could not be written: the message names the file and the OS's reason."""
 
 
-def os_reason(error: BaseException) -> str:
-    """The OS's own words for a failed write, which torch's serializer wraps in its own errors."""
+def os_reason(error: BaseException) -> str | None:
+    """The OS's own words for a failed write, which torch's serializer wraps in its own errors; None
+    when no OS error lies beneath."""
     while error is not None and not (isinstance(error, OSError) and error.strerror):
         error = error.__cause__ or error.__context__
-    return error.strerror if error is not None else "unknown error"
+    return error.strerror if error is not None else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,7 +94,7 @@ class RunLog:
             self.file.write(text)
             self.file.flush()
         except OSError as e:  # a run whose log cannot be written stops: its record would be lost
-            raise WriteError(f"{self.path}: the log could not be written ({os_reason(e)}); the run stops") from None
+            raise WriteError(f"{self.path}: the log could not be written ({os_reason(e) or e}); the run stops") from None
 
     def header(self, sources: str, args, preset: str, device: torch.device, world_size: int, choices):
         """The logged sources, then what a reader needs to reproduce or compare the run."""
@@ -180,7 +184,8 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_
     datasheet's dense bf16 peak for known GPUs, else square matmuls in the run's dtype, timed here."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        known = next((flops for gpu, flops in PEAK_BF16_FLOPS if gpu in name), None)
+        whole = not any(part in name for part in ("MIG", "Laptop"))  # a slice or a laptop part has its own peak
+        known = next((flops for gpu, flops in PEAK_BF16_FLOPS if gpu in name and whole), None)
         if known:
             return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
     size = PEAK_MEASURE_SIZE[device.type if device.type == "cuda" else "cpu"]
@@ -249,11 +254,16 @@ def write_checkpoint(path: Path, state: dict):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:  # through a Python file, a failed write keeps the OS's error
             torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it takes the final name; some file systems report a full disk only here
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
+        if os_reason(e) is None:  # not a failed write
+            raise
         raise WriteError(f"{path}: the checkpoint could not be written ({os_reason(e)})") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder that became unwritable keeps the error above
+            tmp.unlink(missing_ok=True)
 
 
 def read_checkpoint(path: Path, keys: set[str]) -> dict:
@@ -352,15 +362,17 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-def stopped_after(signum: int, step: int, save, run_id: str, argv: list[str], world_size: int,
+def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, argv: list[str], world_size: int,
                   log: RunLog) -> Preempted:
-    """Saves a checkpoint of the finished step (save(step), on every rank, returns its path) and says
-    how to resume from it."""
+    """Saves a checkpoint of the finished step unless saved holds one (save(step), on every rank, returns
+    its path), and says how to resume from it."""
     name = signal.Signals(signum).name
+    path = next((p for p in saved if p.name == f"step_{step:06d}.pt"), None)
     try:
-        path = save(step)
+        path = path or save(step)
     except OSError as e:
-        message = f"{name} after step {step}: no checkpoint saved ({e.strerror or e}); the run cannot be resumed from here"
+        earlier = f"the last checkpoint is {saved[-1]}" if saved else "the run cannot be resumed from here"
+        message = f"{name} after step {step}: no checkpoint saved ({e.strerror or e}); {earlier}"
         log(message)
         return Preempted(signum, message)
     kept = [a for a in argv if not a.startswith(("--resume", "--run_id"))]
@@ -374,36 +386,53 @@ def stopped_after(signum: int, step: int, save, run_id: str, argv: list[str], wo
 # NVIDIA GPUs that this torch cannot use
 
 CPU_ON_GPU_MACHINE = "TRAIN_GPT_ALLOW_CPU"  # =1: train on the CPU of a machine whose NVIDIA GPUs torch cannot use
-CUDA_WHEEL_INDEX = "https://download.pytorch.org/whl/cu128"  # PyTorch's CUDA 12.8 builds: drivers of the R570 series on
+CUDA_WHEEL_INDEX = "https://download.pytorch.org/whl/cu128"  # PyTorch's CUDA 12.8 builds
+CUDA_12_MIN_DRIVER = 525  # the oldest driver series that runs CUDA 12 builds (minor-version compatibility)
+DRIVER_VERSION = re.compile(r"\d+\.\d+(\.\d+)*")
 
 
-def nvidia_gpus(proc: Path = Path("/proc/driver/nvidia")) -> tuple[list[str], str]:
-    """The NVIDIA GPUs the driver lists (nvidia-smi -L, else /proc/driver/nvidia/gpus) and its version."""
-    def smi(*args: str) -> list[str]:
-        try:
-            return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30).stdout.splitlines()
-        except (OSError, subprocess.TimeoutExpired):
-            return []
-    gpus = [line.split(":", 1)[1].split("(UUID")[0].strip() for line in smi("-L") if line.startswith("GPU ")]
-    driver = next(iter(smi("--query-gpu=driver_version", "--format=csv,noheader")), "").strip()
+def nvidia_gpus(proc: Path = Path("/proc/driver/nvidia")) -> tuple[list[str], str, str]:
+    """The NVIDIA GPUs the driver lists (nvidia-smi, else /proc/driver/nvidia/gpus), its version, and
+    nvidia-smi's complaint when it fails (a driver that does not work)."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        rows = [line.rsplit(",", 1) for line in smi.stdout.splitlines() if "," in line] if smi.returncode == 0 else []
+        failure = "" if smi.returncode == 0 else (smi.stdout + smi.stderr).strip().split("\n")[0]
+    except (OSError, subprocess.TimeoutExpired):
+        rows, failure = [], ""
+    gpus = [name.strip() for name, _ in rows]
+    driver = next((v.strip() for _, v in rows if DRIVER_VERSION.fullmatch(v.strip())), "")
     if not gpus and (proc / "gpus").is_dir():
         gpus = [f"PCI {entry.name}" for entry in sorted((proc / "gpus").iterdir())]
     if not driver and (proc / "version").is_file():  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06 ..."
-        driver = next((w for w in (proc / "version").read_text().split() if w[:1].isdigit() and "." in w), "")
-    return gpus, driver or "unknown"
+        driver = next((w for w in (proc / "version").read_text().split() if DRIVER_VERSION.fullmatch(w)), "")
+    return gpus, driver or "unknown", failure
 
 
 def unusable_gpus_message(environ=os.environ, proc: Path = Path("/proc/driver/nvidia")) -> str | None:
     """One line when NVIDIA GPUs are present but this torch cannot use them, so that a run would fall
-    back to the CPU without a word; None when there are none, torch can use them, or the user opted out."""
-    if torch.cuda.is_available() or environ.get(CPU_ON_GPU_MACHINE) == "1":
+    back to the CPU without a word; None when there are none, torch can use them, or the user opted
+    out (TRAIN_GPT_ALLOW_CPU=1, or CUDA_VISIBLE_DEVICES set to hide every GPU)."""
+    if environ.get(CPU_ON_GPU_MACHINE) == "1" or environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return None
-    gpus, driver = nvidia_gpus(proc)
+    with warnings.catch_warnings(record=True) as said:  # torch's own warning joins the one line
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return None
+    gpus, driver, failure = nvidia_gpus(proc)
     if not gpus:
         return None
+    torch_says = next((f" (torch: {str(w.message).splitlines()[0]})" for w in said), "")
+    found = f"{len(gpus)} NVIDIA GPU(s) ({gpus[0]}) with driver {driver}"
+    opt_out = f"or set {CPU_ON_GPU_MACHINE}=1 to train on the CPU"
+    if failure:
+        return f"{found}, but nvidia-smi fails ({failure}): the driver does not work; repair it, {opt_out}"
     built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     version = torch.__version__.split("+")[0]
-    return (f"{len(gpus)} NVIDIA GPU(s) ({gpus[0]}) with driver {driver}, but torch {torch.__version__} ({built}) "
-            f"cannot use them; install torch {version} built for a CUDA that driver supports: "
-            f"{sys.executable} -m pip install torch=={version} --index-url {CUDA_WHEEL_INDEX} "
-            f"(or set {CPU_ON_GPU_MACHINE}=1 to train on the CPU)")
+    if driver != "unknown" and int(driver.split(".")[0]) < CUDA_12_MIN_DRIVER:
+        todo = f"update the NVIDIA driver to the R{CUDA_12_MIN_DRIVER} series or newer"
+    else:
+        todo = (f"install torch {version} built for a CUDA that driver supports: {sys.executable} -m pip install "
+                f"torch=={version} --index-url {CUDA_WHEEL_INDEX}")
+    return f"{found}, but torch {torch.__version__} ({built}) cannot use them{torch_says}; {todo} ({opt_out})"

@@ -356,7 +356,7 @@ class Muon(torch.optim.Optimizer):
     def _gather_state(self, key: str):
         """state[key] of every matrix on every rank, from the owners, round by round as in step()."""
         first = next(iter(self.dealt[self.rank]), None)
-        present = torch.tensor([int(first is not None and key in self.state[first])],
+        present = torch.tensor([int(first is not None and key in self.state.get(first, {}))],
                                device=self.param_groups[0]["params"][0].device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX)  # a rank that owns no matrix does not know
         if not present:
@@ -818,6 +818,9 @@ class GradientBuckets:
         if self.sum_dtype is not None:
             self._slice(p).add_(p.grad.reshape(-1))
             p.grad = None
+        elif p.grad.data_ptr() != self._slice(p).data_ptr():  # else each rank would step on its own gradient
+            raise RuntimeError(f"the gradient of a {tuple(p.shape)} parameter left its bucket's buffer (was .grad "
+                               f"set to None?): zero gradients with GradientBuckets.zero_grad()")
         if not self.last_micro_step:
             return
         b = self.bucket_of[p]
@@ -909,9 +912,9 @@ class TokenStream:
     pin_memory: shards in pinned host memory and batches copied to the device without blocking.
 
     A shard is read when its first batch is asked for, as the record reads them: on the training clock.
-    Its token ids are checked once (the record does not), timed in check_seconds for the clock to leave
-    out; the first shard, or a resumed run's, is checked when the stream is made, so that bad data
-    stops a run before anything is written."""
+    Its token ids are checked once, by check_shard() (the record has no such check; the loop runs it
+    off the clock); the first shard, or a resumed run's, is checked when the stream is made or
+    restored, so that bad data stops a run before anything is written."""
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False):
@@ -919,21 +922,26 @@ class TokenStream:
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
         self.pin_memory = pin_memory
         self.shard_index, self.pos, self.epoch = 0, 0, 0
-        self.checked, self.check_seconds = set(), 0.0
-        self.tokens = None
-        self._load(0)  # checked now, read again for the first batch
+        self.checked = set()  # the shards whose token ids were checked
+        self._read(0)
+        self.check_shard()
+        self.tokens = None  # read again, on the clock, for the first batch
 
-    def _load(self, index: int) -> Tensor:
-        tokens = load_shard(self.paths[index], None, self.pin_memory)
-        if len(tokens) < self.num_slots * self.seq_len + 1:
-            raise DataError(f"{self.paths[index]}: {len(tokens)} tokens, fewer than one batch "
+    def _read(self, index: int):
+        self.tokens = load_shard(self.paths[index], None, self.pin_memory)
+        self.shard_length = len(self.tokens)
+        if self.shard_length < self.num_slots * self.seq_len + 1:
+            raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than one batch "
                             f"({self.num_slots} x {self.seq_len} + 1)")
-        if index not in self.checked:
-            start = time.perf_counter()
-            check_token_ids(self.paths[index], tokens, self.vocab_size)
-            self.checked.add(index)
-            self.check_seconds += time.perf_counter() - start
-        return tokens
+
+    @property
+    def unchecked(self) -> bool:
+        return self.tokens is not None and self.shard_index not in self.checked
+
+    def check_shard(self):
+        if self.unchecked:
+            check_token_ids(self.paths[self.shard_index], self.tokens, self.vocab_size)
+            self.checked.add(self.shard_index)
 
     def state_dict(self) -> dict:
         return dict(shard_index=self.shard_index, pos=self.pos, epoch=self.epoch)
@@ -942,17 +950,18 @@ class TokenStream:
         if state["shard_index"] >= len(self.paths):
             raise DataError(f"checkpoint reads shard #{state['shard_index']} but only {len(self.paths)} shards match")
         self.shard_index, self.pos, self.epoch = state["shard_index"], state["pos"], state["epoch"]
+        self._read(self.shard_index)
+        self.check_shard()
         self.tokens = None
-        self._load(self.shard_index)
 
     def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
         batch_tokens = self.num_slots * self.seq_len
-        if self.tokens is not None and self.pos + batch_tokens + 1 > len(self.tokens):
+        if self.pos + batch_tokens + 1 > self.shard_length:
             self.shard_index = (self.shard_index + 1) % len(self.paths)
             self.epoch += self.shard_index == 0
             self.pos, self.tokens = 0, None
         if self.tokens is None:
-            self.tokens = self._load(self.shard_index)
+            self._read(self.shard_index)
         micro_batches = []
         for slot in range(rank, self.num_slots, world_size):
             buf = self.tokens[self.pos + slot * self.seq_len:][:self.seq_len + 1]
@@ -1493,29 +1502,37 @@ def check_resumable(state: dict, path: Path, args: Hyperparameters):
 
 def save_checkpoint(trainer: Trainer, stream: TokenStream, clock: support.TrainingClock, run_id: str,
                     log: support.RunLog, saved: list[Path], step: int, periodic: bool = False) -> Path:
-    """Called on every rank (Muon gathers its state), written by rank 0 and added to saved. A periodic
-    save that fails is logged and training goes on; any other raises WriteError."""
+    """Called on every rank (Muon gathers its state), written by rank 0 and, once every rank knows it
+    was, added to saved. A periodic save that fails is logged and training goes on; any other raises
+    WriteError on every rank. saved may begin with the checkpoint a resumed run started from."""
     path = support.checkpoint_path(trainer.args.checkpoint_dir, run_id, step)
-    state = checkpoint_state(trainer, step, stream, clock)
-    try:
-        if trainer.rank == 0:
+    state, failure = checkpoint_state(trainer, step, stream, clock), None
+    if trainer.rank == 0:
+        try:
             support.write_checkpoint(path, state)
-    except support.WriteError as e:
+        except support.WriteError as e:
+            failure = e
+    written = torch.tensor(int(failure is None), device=trainer.device)
+    if trainer.world_size > 1:
+        dist.broadcast(written, 0)
+    if not written:
+        failure = failure or support.WriteError(f"{path}: rank 0 could not write the checkpoint")
         if not periodic:
-            raise
-        log(f"{e}; training goes on, the last checkpoint is {saved[-1] if saved else 'none yet'}")
+            raise failure
+        log(f"{failure}; training goes on, the last checkpoint is {saved[-1] if saved else 'none yet'}")
         return path
     saved.append(path)
     return path
 
 
 def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: support.RunLog, run_id: str,
-                  start_step: int, clock: support.TrainingClock, stop: support.StopSignals,
-                  argv: list[str]) -> tuple[dict, dict, list[Path]]:
-    """Steps start_step..num_iterations with validation, logging and checkpoints on schedule; returns
-    (val_losses, train_losses, checkpoints). Raises Preempted after the step in which a signal came."""
+                  start_step: int, clock: support.TrainingClock, stop: support.StopSignals, argv: list[str],
+                  checkpoints: list[Path]) -> tuple[dict, dict, list[Path]]:
+    """Steps start_step..num_iterations with validation, logging and checkpoints on schedule, added to
+    checkpoints; returns (val_losses, train_losses, checkpoints). Raises Preempted after the step in
+    which a signal came."""
     args, rank, world_size = trainer.args, trainer.rank, trainer.world_size
-    val_losses, train_losses, checkpoints = {}, {}, []
+    val_losses, train_losses = {}, {}
 
     def pause_clock():  # off the clock: wait for the device, then add the time since the last resume
         trainer.synchronize()
@@ -1540,9 +1557,11 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             t0 = time.perf_counter()
         if last:
             break
-        checked = stream.check_seconds
         batch = stream.next_batch(rank, world_size)
-        t0 += stream.check_seconds - checked  # our check of a new shard's token ids: not the record's, off the clock
+        if stream.unchecked:  # a new shard's token ids: our check, not the record's, so off the clock
+            pause_clock()
+            stream.check_shard()
+            t0 = time.perf_counter()
         loss = trainer.train_step(step, batch)
         clock.timed_steps += 1
         elapsed_ms = clock.training_ms + 1000 * (time.perf_counter() - t0)
@@ -1562,7 +1581,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         signum = stop.agreed()
         if signum:
             pause_clock()
-            raise support.stopped_after(signum, step + 1, save, run_id, argv, world_size, log)
+            raise support.stopped_after(signum, step + 1, save, checkpoints, run_id, argv, world_size, log)
     if args.save_checkpoint:
         save(args.num_iterations)
     return val_losses, train_losses, checkpoints
@@ -1638,7 +1657,7 @@ def main(argv: list[str] | None = None) -> dict:
             trainer.warm_up(start_step)
             log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
         val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step,
-                                                              clock, stop, argv)
+                                                              clock, stop, argv, [resume_from] if args.resume else [])
         val_entropy = unigram_entropy(val_sequences, args.vocab_size)
         final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak)
         return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train_gpt  # noqa: E402
-from conftest import CopiedBytes  # noqa: E402  (this script's folder is on sys.path)
+from copied_bytes import CopiedBytes  # noqa: E402  (this script's folder is on sys.path)
 
 RANK = int(os.environ.get("RANK", 0))
 

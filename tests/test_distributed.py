@@ -348,6 +348,21 @@ def test_a_parameter_without_gradient_is_reported():
         buckets.wait_for_gradients()
 
 
+def test_a_gradient_taken_out_of_its_bucket_is_reported():
+    """Gradients are views of their bucket's buffer; one set to None and made again by autograd would
+    go unreduced, so the hook refuses it, naming the remedy."""
+    params, coeffs = order_sensitive_gradients()
+    buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1)
+    sum((p * c).sum().float() for p, c in zip(params, coeffs[0])).backward()
+    buckets.wait_for_gradients()
+    assert torch.equal(params[0].grad, coeffs[0][0])  # the view holds the gradient
+    buckets.zero_grad()
+    assert not params[0].grad.any()
+    params[1].grad = None
+    with pytest.raises(RuntimeError, match=r"left its bucket's buffer \(was .grad set to None\?\)"):
+        sum((p * c).sum().float() for p, c in zip(params, coeffs[1])).backward()
+
+
 def test_a_second_backward_on_the_last_micro_step_is_reported():
     params, coeffs = order_sensitive_gradients()
     buckets = train_gpt.GradientBuckets(list(reversed(params)), bucket_bytes=10**9, world_size=1)

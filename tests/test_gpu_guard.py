@@ -16,9 +16,13 @@ import run_support as support
 FAKE_NVIDIA_SMI = """#!/bin/sh
 case "$1" in
   -L) for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-1234567$i)"; done ;;
-  --query-gpu=driver_version) for i in 0 1 2 3 4 5 6 7; do echo "570.124.06"; done ;;
-  *) echo "NVIDIA-SMI 570.124.06" ;;
+  --query-gpu=name,driver_version) for i in 0 1 2 3 4 5 6 7; do echo "NVIDIA H100 80GB HBM3, DRIVER"; done ;;
+  *) echo "NVIDIA-SMI DRIVER" ;;
 esac
+"""
+BROKEN_NVIDIA_SMI = """#!/bin/sh
+echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running."
+exit 9
 """
 EXPECTED = (f"8 NVIDIA GPU(s) (NVIDIA H100 80GB HBM3) with driver 570.124.06, but torch {torch.__version__} "
             f"({'built for CUDA ' + torch.version.cuda if torch.version.cuda else 'a CPU-only build'}) cannot use them")
@@ -26,15 +30,19 @@ EXPECTED = (f"8 NVIDIA GPU(s) (NVIDIA H100 80GB HBM3) with driver 570.124.06, bu
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="torch can use this machine's GPUs")
 
 
+def fake_nvidia_smi(folder, script: str) -> dict:
+    """The environment of a machine whose nvidia-smi is script, without the opt-out."""
+    folder.mkdir(exist_ok=True)
+    (folder / "nvidia-smi").write_text(script)
+    (folder / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in (support.CPU_ON_GPU_MACHINE, "CUDA_VISIBLE_DEVICES")}
+    return dict(env, PATH=f"{folder}:{env['PATH']}", OMP_NUM_THREADS="1")
+
+
 @pytest.fixture
 def gpu_machine(tmp_path):
     """The environment of a machine whose nvidia-smi lists eight H100s on driver 570.124.06."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != support.CPU_ON_GPU_MACHINE}
-    return dict(env, PATH=f"{bin_dir}:{env['PATH']}", OMP_NUM_THREADS="1")
+    return fake_nvidia_smi(tmp_path / "bin", FAKE_NVIDIA_SMI.replace("DRIVER", "570.124.06"))
 
 
 def one_line(proc, prefix: str) -> str:
@@ -49,6 +57,20 @@ def test_the_message_names_the_gpus_the_driver_and_what_to_do(gpu_machine, monke
     monkeypatch.setenv("PATH", gpu_machine["PATH"])
     assert support.unusable_gpus_message({}).startswith(EXPECTED)
     assert support.unusable_gpus_message({support.CPU_ON_GPU_MACHINE: "1"}) is None
+    assert support.unusable_gpus_message({"CUDA_VISIBLE_DEVICES": ""}) is None  # the GPUs hidden on purpose
+    # a driver too old for any CUDA 12 build: update it, no torch would do
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "old", FAKE_NVIDIA_SMI.replace("DRIVER", "470.256.02"))["PATH"])
+    old = support.unusable_gpus_message({})
+    assert "with driver 470.256.02, but torch" in old and "update the NVIDIA driver to the R525 series or newer" in old
+    assert "pip install" not in old
+    # a driver that does not work: nvidia-smi's own complaint, and no advice to reinstall torch
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "broken", BROKEN_NVIDIA_SMI)["PATH"])
+    proc = tmp_path / "proc_broken"
+    (proc / "gpus" / "0000:18:00.0").mkdir(parents=True)
+    assert support.unusable_gpus_message({}, proc) == (
+        "1 NVIDIA GPU(s) (PCI 0000:18:00.0) with driver unknown, but nvidia-smi fails (NVIDIA-SMI has failed because it "
+        "couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.): "
+        "the driver does not work; repair it, or set TRAIN_GPT_ALLOW_CPU=1 to train on the CPU")
     # without nvidia-smi, the driver's /proc entries say the same
     monkeypatch.setenv("PATH", "/nonexistent")
     proc = tmp_path / "nvidia"
@@ -88,6 +110,7 @@ def test_gpu_check_fails_the_environment_check(gpu_machine):
     assert proc.returncode == 1
     environment = next(line for line in proc.stdout.splitlines() if line.startswith("environment"))
     assert environment.split()[1] == "FAIL" and EXPECTED in environment
+    assert proc.stdout.splitlines()[-1] == "0 passed, 1 failed, 5 skipped"  # the rest would test the CPU
 
 
 def test_run_sh_refuses_and_goes_on_when_asked(gpu_machine):

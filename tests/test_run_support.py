@@ -83,8 +83,6 @@ def test_torch_takes_huge_pages_for_large_tensors_when_asked():
         assert grown_kib(False) < 2 * 1024
 
 
-
-
 @pytest.mark.parametrize("name, tflops", [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
     ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L40S", 362),

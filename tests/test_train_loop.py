@@ -148,6 +148,25 @@ def test_train_time_holds_the_shard_reads_but_not_our_token_check(tiny_shards, t
     assert 300 <= times[0] < 1000 and 600 <= times[1] < 1600, times
 
 
+def test_a_stream_restored_at_a_shards_last_batch_goes_on_to_the_next_shard(tmp_path):
+    """Two shards of 200 tokens, batches of 2 x 64: the stream restored after a shard's last batch
+    gives what the uninterrupted stream gives next, the next shard's first batch."""
+    import numpy as np
+    import shards
+    for i in range(2):
+        shards.write_shard(tmp_path / f"s_train_{i:06d}.bin", (np.arange(200) + 100 * i) % TINY_VOCAB)
+    make = lambda: train_gpt.TokenStream(str(tmp_path / "s_train_*.bin"), 64, 2, torch.device("cpu"), TINY_VOCAB)
+    whole = make()
+    first = whole.next_batch(0, 1)
+    saved = whole.state_dict()
+    restored = make()
+    restored.load_state_dict(saved)
+    for a, b in zip(whole.next_batch(0, 1), restored.next_batch(0, 1)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].numel() == 64
+    assert whole.state_dict() == restored.state_dict() == dict(shard_index=1, pos=128, epoch=0)
+    assert not torch.equal(first[0][0], whole.tokens[:64].int())  # the second batch came from the second shard
+
+
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by exactly lr * sign(grad), so each group's lr shows."""
     args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)

@@ -45,6 +45,10 @@ class Skip(Exception):
     """A check that cannot run here; the message says why."""
 
 
+class UnusableGPUs(AssertionError):
+    """NVIDIA GPUs that this torch cannot use: the other checks would test the CPU instead."""
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
@@ -52,7 +56,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_environment(device: torch.device) -> str:
     unusable_gpus = run_support.unusable_gpus_message()
     if unusable_gpus:
-        raise AssertionError(unusable_gpus)
+        raise UnusableGPUs(unusable_gpus)
     pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M)[1]
     installed = torch.__version__.split("+")[0]
     if installed != pin:
@@ -257,17 +261,18 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
         ("training steps", lambda: check_training(device, training)),
         ("all-reduce", lambda: check_allreduce(device)),
     ]
-    rows = []
+    rows, unusable_gpus = [], False
     for name, check in checks:
         t0 = time.perf_counter()
         try:
-            if rows and rows[0][1] == "FAIL":  # the rest would test another torch or device than the run's
-                raise Skip("the environment check failed")
+            if unusable_gpus:
+                raise Skip("NVIDIA GPUs that this torch cannot use (environment)")
             status, detail = "PASS", check()
         except Skip as why:
             status, detail = "SKIP", str(why)
         except Exception as e:  # a check that breaks is a FAIL with its reason, and the others still run
             status, detail = "FAIL", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            unusable_gpus = isinstance(e, UnusableGPUs)
         rows.append((name, status, f"{detail} [{time.perf_counter() - t0:.1f}s]"))
         print(f"{name:<16} {status:<5} {rows[-1][2]}", flush=True)
     return rows
