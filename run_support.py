@@ -179,13 +179,20 @@ def peak_memory_line(device: torch.device) -> str:
     return line if huge is None else f"{line}, {huge // 1024} MiB of it in 2 MB pages now"
 
 
+def datasheet_peak(device_name: str) -> float | None:
+    """The dense bf16 peak of a known GPU by torch's name for it; None for others, and for a MIG slice
+    or a laptop part, whose peaks are their own."""
+    if any(part in device_name for part in ("MIG", "Laptop")):
+        return None
+    return next((flops for gpu, flops in PEAK_BF16_FLOPS if gpu in device_name), None)
+
+
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_MEASURE_SECONDS) -> tuple[float, str]:
     """FLOP/s of one process that MFU is measured against, and where the figure comes from: the
     datasheet's dense bf16 peak for known GPUs, else square matmuls in the run's dtype, timed here."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        whole = not any(part in name for part in ("MIG", "Laptop"))  # a slice or a laptop part has its own peak
-        known = next((flops for gpu, flops in PEAK_BF16_FLOPS if gpu in name and whole), None)
+        known = datasheet_peak(name)
         if known:
             return known, f"{known / 1e12:.0f} TFLOP/s bf16 ({name} datasheet)"
     size = PEAK_MEASURE_SIZE[device.type if device.type == "cuda" else "cpu"]
@@ -242,8 +249,12 @@ class TrainingClock:
 # Checkpoint and log files
 
 
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}.pt"  # zero-padded: names sort by step
+
+
 def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
-    return Path(checkpoint_dir, run_id, f"step_{step:06d}.pt")  # zero-padded: names sort by step
+    return Path(checkpoint_dir, run_id, checkpoint_name(step))
 
 
 def write_checkpoint(path: Path, state: dict):
@@ -367,7 +378,7 @@ def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, 
     """Saves a checkpoint of the finished step unless saved holds one (save(step), on every rank, returns
     its path), and says how to resume from it."""
     name = signal.Signals(signum).name
-    path = next((p for p in saved if p.name == f"step_{step:06d}.pt"), None)
+    path = next((p for p in saved if p.name == checkpoint_name(step)), None)
     try:
         path = path or save(step)
     except OSError as e:

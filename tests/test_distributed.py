@@ -247,6 +247,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
     saved at step 4 and one process resuming there end exactly as one process all along."""
     two = launch(tmp_path / "two", torchrun(2), TRAIN_GPT,
                  train_args(tmp_path / "two", 2, *tiny_shards, "--checkpoint_every=4"))
+    assert "distributed: world size 2, backend gloo" in two.log
     halfway = tmp_path / "two" / "ckpt" / "run" / "step_000004.pt"
     momentum = torch.load(halfway, map_location="cpu", weights_only=True)["optimizers"][1]["state"]
     assert len(momentum) == sum(p.ndim >= 2 for n, p in one_process.params().items() if n.startswith("blocks."))

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_RUN, TINY_VOCAB
+from conftest import TINY_RUN, TINY_VOCAB
 from test_distributed import TRAIN_GPT, env, finish, start, torchrun
 
 import shards
