@@ -93,14 +93,14 @@ def settle_vector_math():
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8 matmul as custom ops (the lm_head): x, w in e4m3 forward, the gradient in e5m2 backward; each
-# scale maps the largest value an operand can take onto its format's largest, so nothing overflows.
+# FP8 matmul as custom ops (the lm_head): x, w in e4m3 forward, the gradient in e5m2 backward, each
+# divided by its scale: the record's fixed scales, or a bound's (fp8_grad_scale=e5m2_bound).
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344
-LOGIT_SOFTCAP = 30.0  # logits = LOGIT_SOFTCAP * sigmoid(z / (LOGIT_SOFTCAP_SPREAD * sqrt(width)))
+LOGIT_SOFTCAP = 30.0  # logits = LOGIT_SOFTCAP * sigmoid(z / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
 LOGIT_SOFTCAP_SPREAD = 7.5
-LM_HEAD_WEIGHT_BOUND = 24.0  # the record's bound on |lm_head weight|: w_s = 24/448
+LM_HEAD_WEIGHT_SCALE = 2**-9  # the record's FP8 scale of the lm_head weight: |w| up to 448 * 2^-9
 
 
 FP8_GRAD_SCALES = ("record", "e5m2_bound")  # the values of Hyperparameters.fp8_grad_scale
@@ -108,15 +108,19 @@ FP8_GRAD_SCALES = ("record", "e5m2_bound")  # the values of Hyperparameters.fp8_
 
 def lm_head_fp8_scales(model_dim: int, grad_scale: str = "record") -> tuple[float, float, float]:
     """(x, w, grad) scales of the lm_head's FP8 matmul: x is RMS-normed, so every element is at most
-    sqrt(width) in magnitude; |w| stays under the record's bound of 24."""
+    sqrt(width) in magnitude; w keeps the record's scale."""
     x_scale = model_dim**0.5 / E4M3_MAX
-    w_scale = LM_HEAD_WEIGHT_BOUND / E4M3_MAX
     if grad_scale == "record":
-        return x_scale, w_scale, 1 / E4M3_MAX  # the published record's value
-    # |dCE/dlogit| <= 1 and the softcap's slope <= 1/sqrt(width): that bound at e5m2's max uses the
+        return x_scale, LM_HEAD_WEIGHT_SCALE, 1 / E4M3_MAX  # the published record's values
+    # |dCE/dlogit| <= 1 and the softcap's slope <= 30 / (4 * 7.5) = 1: that bound at e5m2's max uses the
     # binades 1/448 leaves free at the top, keeping small gradients that 1/448 flushes to zero.
-    grad_bound = LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD * model_dim**0.5)
-    return x_scale, w_scale, grad_bound / E5M2_MAX
+    grad_bound = LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD)
+    return x_scale, LM_HEAD_WEIGHT_SCALE, grad_bound / E5M2_MAX
+
+
+def softcap(z: Tensor) -> Tensor:
+    """float32 logits in (0, LOGIT_SOFTCAP) from the lm_head's output z."""
+    return LOGIT_SOFTCAP * torch.sigmoid(z.float() / LOGIT_SOFTCAP_SPREAD)
 
 
 def _fp8_forward(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,7 +146,7 @@ def _fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
 @functools.cache
 def compiled_on_first_use(fn):
     """fn under torch.compile, for CUDA paths that run outside the compiled model (the FP8 scaling and
-    casts, which then fuse; Muon's orthogonalization; FlexAttention). Made on first use: importing stays cheap."""
+    casts, which then fuse; the optimizers' updates; FlexAttention). Made on first use: importing stays cheap."""
     return torch.compile(fn, dynamic=False)
 
 
@@ -190,7 +194,7 @@ fp8_mm.register_autograd(_fp8_mm_autograd_backward, setup_context=_fp8_mm_setup_
 
 
 # ------------------------------------------------------------------------------------------------
-# Optimizers: Muon for hidden matrices, Adam (torch's) for everything else
+# Optimizers: Muon for hidden matrices, the record's Adam for everything else
 
 # Polar Express (arXiv 2505.16932), 5 iterations, safety factor 2e-2, cushion 2: one (a, b, c) per
 # iteration of X <- a*X + (b*A + c*A^2)*X with A = X*X^T.
@@ -381,6 +385,48 @@ class Muon(torch.optim.Optimizer):
         return (*p.shape[:-2], rows, 1) if rows >= cols else (*p.shape[:-2], 1, cols)
 
 
+def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor, beta1: float,
+                beta2: float, eps: float):
+    """One Adam step of p in place, as the record computes it: eps is added to sqrt(v), not to
+    sqrt(v) / sqrt(1 - beta2^t); step_size holds the lr and both bias corrections."""
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    p.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(step_size))
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam without weight decay, each group with its own lr. States have their parameter's dtype. The
+    device plan says whether to compile the update (on CUDA, as the record does: its bf16 states are
+    then rounded once per update, not once per operation)."""
+
+    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False):
+        super().__init__(param_groups, dict(betas=betas, eps=eps))
+        self.update = compiled_on_first_use(adam_update) if compiled else adam_update
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), eps = group["betas"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.int64, device=p.device),
+                                 exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                # A device tensor, made outside the compiled update: a Python float lr there would recompile
+                # it at every new lr. The bias corrections are float32, from the int64 step, as in the record.
+                t = state["step"]
+                step_size = group["lr"] * (torch.sqrt(1 - beta2**t) / (1 - beta1**t))
+                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step_size, beta1, beta2, eps)
+
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():  # torch leaves "step" where the checkpoint was loaded
+            state["step"] = state["step"].to(p.device)
+
+
 # ------------------------------------------------------------------------------------------------
 # Model: layers, masks, attention, loss, GPT
 
@@ -396,6 +442,11 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
+def init_bound(fan_in: int) -> float:
+    """Weights start uniform in +-bound: std 0.5 / sqrt(fan_in) (in the record's order of operations)."""
+    return 3**0.5 * (0.5 * fan_in**-0.5)
+
+
 class CastedLinear(nn.Linear):
     """A bias-free linear layer with fp32 weights cast to the activations' dtype; in training, the FP8
     matmul when given its (x, w, grad) scales."""
@@ -405,9 +456,8 @@ class CastedLinear(nn.Linear):
         self.fp8_scales = fp8_scales
 
     def reset_parameters(self):
-        bound = 3**0.5 * 0.5 * self.in_features**-0.5  # uniform with std 0.5 / sqrt(fan_in)
         with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
+            self.weight.uniform_(-init_bound(self.in_features), init_bound(self.in_features))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8_scales is not None and self.training:
@@ -525,28 +575,36 @@ ATTENTION_SCALE = 0.12  # the record's fixed softmax scale (QK-normed, so no 1/s
 
 
 VE_GATE_INPUTS = 12  # residual-stream dims a value-embedding gate reads
+ATTN_GATE_WIDTH_DIVISOR = 64  # the attention output gate reads the first model_dim // 64 dims (12 at 768; at least 1)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, ve_gate: bool = False):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, attn_gate: bool = False,
+                 ve_gate: bool = False):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
-        hidden = num_heads * head_dim
-        bound = 3**0.5 * 0.5 * model_dim**-0.5
-        self.qkv_w = nn.Parameter(torch.empty(3, hidden, model_dim).uniform_(-bound, bound))
-        # Optional gate on the value embedding, per head: 2 sigmoid(w . x[:12]), 1 at the zero init.
+        if num_heads * head_dim != model_dim:
+            raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
+        bound = init_bound(model_dim)
+        # q, k, v and the output projection in one parameter (one Muon matrix each); the output starts at zero.
+        self.qkvo_w = nn.Parameter(torch.empty(4, model_dim, model_dim))
+        with torch.no_grad():
+            self.qkvo_w[:3].uniform_(-bound, bound)
+            self.qkvo_w[3].zero_()
+        # Optional gates, per head, zero-initialized: the attention output times sigmoid(w . x[:model_dim // 64])
+        # (the record), and the value embedding times 2 sigmoid(w . x[:12]) (from later records).
+        self.attn_gate = CastedLinear(max(1, model_dim // ATTN_GATE_WIDTH_DIVISOR), num_heads) if attn_gate else None
         self.ve_gate = CastedLinear(min(VE_GATE_INPUTS, model_dim), num_heads) if ve_gate else None
-        if ve_gate:
-            self.ve_gate.weight.detach().zero_()
+        for gate in (self.attn_gate, self.ve_gate):
+            if gate is not None:
+                gate.weight.detach().zero_()
         self.rotary = Rotary(head_dim, max_seq_len)
-        self.c_proj = CastedLinear(hidden, model_dim)
-        self.c_proj.weight.detach().zero_()
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, cache=None) -> Tensor:
         """cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values."""
         B, T = x.size(0), x.size(1)
         start = 0 if cache is None else cache.length  # position of x's first token
-        qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
+        qkv = F.linear(x, self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
         q, k = self.rotary(norm(q), start), self.rotary(norm(k), start)
         if ve is None:
@@ -559,26 +617,33 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
-        y = attend(q, k, v, mask, ATTENTION_SCALE)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        y = attend(q, k, v, mask, ATTENTION_SCALE).transpose(1, 2)
+        if self.attn_gate is not None:
+            y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, self.num_heads, 1)
+        return F.linear(y.reshape(B, T, -1), self.qkvo_w[3].type_as(y))
 
 
 class MLP(nn.Module):
+    """Both matrices stored (model_dim, 4 model_dim), the up-projection applied transposed: Muon's
+    scale max(1, rows/cols)^0.5 is then 1 for both (as in the record)."""
+
     def __init__(self, model_dim: int):
         super().__init__()
-        self.c_fc = CastedLinear(model_dim, 4 * model_dim)
-        self.c_proj = CastedLinear(4 * model_dim, model_dim)
-        self.c_proj.weight.detach().zero_()
+        bound = init_bound(model_dim)
+        self.c_fc = nn.Parameter(torch.empty(model_dim, 4 * model_dim).uniform_(-bound, bound))
+        self.c_proj = nn.Parameter(torch.zeros(model_dim, 4 * model_dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        x = F.relu(F.linear(x, self.c_fc.T.type_as(x))).square()
+        return F.linear(x, self.c_proj.type_as(x))
 
 
 class Block(nn.Module):
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 ve_gate: bool = False):
+                 attn_gate: bool = False, ve_gate: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len, ve_gate) if has_attention else None
+        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len, attn_gate, ve_gate)
+                     if has_attention else None)
         self.mlp = MLP(model_dim)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor,
@@ -637,7 +702,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
-        scale = 1 / (LOGIT_SOFTCAP_SPREAD * xn.size(-1) ** 0.5)
+        scale = 1 / LOGIT_SOFTCAP_SPREAD
         c = LOGIT_SOFTCAP * scale  # d logits/d z = c * s * (1 - s)
         need_grads = any(ctx.needs_input_grad[:2])
         grad_xn = torch.empty_like(xn) if need_grads else None
@@ -689,17 +754,18 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
-                 value_embed_gates: bool = False):
+                 value_embed_gates: bool = False, attn_gates: bool = False):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
-        self.num_layers, self.max_seq_len = num_layers, max_seq_len
+        self.vocab_size, self.num_layers, self.max_seq_len = vocab_size, num_layers, max_seq_len
         self.attention_backend = attention_backend
         self.ve_layout = value_embedding_layout(num_layers, value_embed_layout)
         self.long_window = long_window_layers(num_layers)
         no_attention = attention_free_layer(num_layers, value_embed_layout)
-        self.embed = nn.Embedding(vocab_size, model_dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim)
+        padded_vocab = next_multiple(vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
+        self.embed = nn.Embedding(padded_vocab, model_dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
                                           for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
         # One parameter for all scalars (one Adam tensor): U-net skip weights, then per layer the
         # (stream, x0) mixing lambdas, then per layer the (v, value embedding) lambdas.
@@ -709,9 +775,9 @@ class GPT(nn.Module):
             torch.tensor([0.5, 0.5]).repeat(num_layers),
         ]))
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention,
-                                          value_embed_gates and self.ve_layout[i] is not None)
+                                          attn_gates, value_embed_gates and self.ve_layout[i] is not None)
                                     for i in range(num_layers))
-        self.lm_head = CastedLinear(model_dim, next_multiple(vocab_size, 128),
+        self.lm_head = CastedLinear(model_dim, padded_vocab,
                                     lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
         self.lm_head.weight.detach().zero_()
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
@@ -753,8 +819,7 @@ class GPT(nn.Module):
 
     def softcapped_logits(self, x: Tensor) -> Tensor:
         """float32 logits over the padded vocabulary from the final residual stream."""
-        logits = self.lm_head(norm(x)).float()
-        return LOGIT_SOFTCAP * torch.sigmoid(logits / (LOGIT_SOFTCAP_SPREAD * x.size(-1) ** 0.5))
+        return softcap(self.lm_head(norm(x)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -906,10 +971,14 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 
 
 class TokenStream:
-    """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets)
-    taken consecutively from the shards; rank r gets slots r, r + W, r + 2W, ... (one per micro-step).
-    Wraps around to the first shard after the last. state_dict() is the exact read position.
-    pin_memory: shards in pinned host memory and batches copied to the device without blocking.
+    """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets);
+    rank r gets slots r, r + W, r + 2W, ... (one per micro-step). Without align_to_bos the slots are
+    consecutive; with it (the record) each starts at a document's first token: a slot runs from a
+    document start to the first later document start at least seq_len tokens on (it takes seq_len + 1
+    of those tokens), where the next slot begins. A new shard is read when fewer than a batch's
+    tokens (twice that, aligned) remain; the last shard wraps around to the first.
+    state_dict() is the exact read position. pin_memory: shards in pinned host memory and batches
+    copied to the device without blocking.
 
     A shard is read when its first batch is asked for, as the record reads them: on the training clock.
     Its token ids are checked once, by check_shard() (the record has no such check; the loop runs it
@@ -917,10 +986,12 @@ class TokenStream:
     restored, so that bad data stops a run before anything is written."""
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, align_to_bos: bool = False):
         self.paths = shard_paths(pattern, "train")
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
-        self.pin_memory = pin_memory
+        self.pin_memory, self.align_to_bos = pin_memory, align_to_bos
+        # Tokens a batch may span: aligned slots skip the ends of documents, up to twice as many.
+        self.span = num_slots * seq_len * (2 if align_to_bos else 1)
         self.shard_index, self.pos, self.epoch = 0, 0, 0
         self.checked = set()  # the shards whose token ids were checked
         self._read(0)
@@ -930,9 +1001,9 @@ class TokenStream:
     def _read(self, index: int):
         self.tokens = load_shard(self.paths[index], None, self.pin_memory)
         self.shard_length = len(self.tokens)
-        if self.shard_length < self.num_slots * self.seq_len + 1:
-            raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than one batch "
-                            f"({self.num_slots} x {self.seq_len} + 1)")
+        if self.shard_length < self.span + 2:
+            raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than one batch needs "
+                            f"({self.span + 2}: {self.num_slots} x {self.seq_len}{', twice' if self.align_to_bos else ''}, + 2)")
 
     @property
     def unchecked(self) -> bool:
@@ -954,20 +1025,35 @@ class TokenStream:
         self.check_shard()
         self.tokens = None
 
+    def _slot_starts(self) -> tuple[list[int], int]:
+        """Where each slot's sequence starts, and where the next batch starts."""
+        if not self.align_to_bos:
+            return [self.pos + slot * self.seq_len for slot in range(self.num_slots)], self.pos + self.span
+        window = self.tokens[self.pos:self.pos + self.span]
+        doc_starts = ((window == EOT_TOKEN).nonzero().flatten() + self.pos).tolist()
+        starts = doc_starts[:1]  # the last one is the slot being filled
+        for end in doc_starts[1:]:
+            if end - starts[-1] >= self.seq_len:
+                if len(starts) == self.num_slots:
+                    return starts, end
+                starts.append(end)
+        raise DataError(f"{self.paths[self.shard_index]}: fewer than {self.num_slots} document-aligned sequences of "
+                        f"{self.seq_len} tokens in the {self.span} from position {self.pos}: the documents are too "
+                        f"long to align (pass --align_to_bos=false)")
+
     def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
-        batch_tokens = self.num_slots * self.seq_len
-        if self.pos + batch_tokens + 1 > self.shard_length:
+        if self.pos + self.span + 1 >= self.shard_length:
             self.shard_index = (self.shard_index + 1) % len(self.paths)
             self.epoch += self.shard_index == 0
             self.pos, self.tokens = 0, None
         if self.tokens is None:
             self._read(self.shard_index)
+        starts, self.pos = self._slot_starts()
         micro_batches = []
-        for slot in range(rank, self.num_slots, world_size):
-            buf = self.tokens[self.pos + slot * self.seq_len:][:self.seq_len + 1]
+        for start in starts[rank::world_size]:
+            buf = self.tokens[start:][:self.seq_len + 1]
             micro_batches.append((buf[:-1].to(self.device, torch.int32, non_blocking=self.pin_memory),
                                   buf[1:].to(self.device, torch.int64, non_blocking=self.pin_memory)))
-        self.pos += batch_tokens
         return micro_batches
 
 
@@ -1008,9 +1094,10 @@ class Hyperparameters:
     seq_len: int = 48 * 1024  # training tokens per sequence (one sequence per rank per micro-step)
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
+    align_to_bos: bool = True  # each training sequence starts at a document's first token (false: consecutive tokens)
     # schedule
-    num_iterations: int = 1770  # optimizer steps
-    cooldown_frac: float = 0.4  # final fraction of training in which the lr decays linearly to 0.1x
+    num_iterations: int = 1695  # optimizer steps
+    cooldown_frac: float = 0.45  # final fraction of training in which the lr decays linearly to 0.1x
     val_loss_every: int = 125  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_tokens: int = 1728  # long sliding window at the end of training; it grows from one block, short = half
@@ -1022,8 +1109,9 @@ class Hyperparameters:
     model_dim: int = 768  # residual stream width
     value_embed_layout: str = "u"  # value-embedding tables on layers: u (the record: first and last three) or alternate (every other layer; reported better in later records)
     value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
+    attn_gates: bool = True  # a learned per-head gate on each attention output, trained by Muon (the record's sparse attention gate)
     # optimizers
-    head_lr: float = 0.22  # Adam lr for the lm_head
+    head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.6  # Adam lr for token and value embeddings
     scalar_lr: float = 0.04  # Adam lr for skip weights and mixing lambdas
     adam_beta1: float = 0.8  # Adam first-moment decay
@@ -1064,6 +1152,7 @@ PRESETS = {
         seq_len=1024,
         val_seq_len=1024,
         batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024
+        align_to_bos=False,  # documents are whole plays: aligned sequences would skip most tokens
         num_iterations=260,
         cooldown_frac=1.0,  # lr decays from the first step: lower losses than 0.6-0.9
         val_loss_every=0,  # a validation costs as much as dozens of steps: only at the end
@@ -1073,8 +1162,9 @@ PRESETS = {
         num_heads=1,
         head_dim=128,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
-        head_lr=0.11,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
-        embed_lr=0.3,
+        attn_gates=False,
+        head_lr=0.11 / 128**0.5,  # 0.11 when the head divided z by sqrt(width): the same steps on the logits
+        embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
         muon_neuron_beta2=0.95,  # NorMuon: lower losses on every paired seed
@@ -1155,6 +1245,9 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"num_layers={args.num_layers} must be an even number >= 2 (U-net halves)")
     if args.head_dim % 4:
         raise ConfigError(f"head_dim={args.head_dim} must be a multiple of 4 (rotary on half of the dims, in pairs)")
+    if args.num_heads * args.head_dim != args.model_dim:
+        raise ConfigError(f"num_heads x head_dim = {args.num_heads} x {args.head_dim} must equal model_dim={args.model_dim} "
+                          f"(q, k, v and the output projection share one (4, model_dim, model_dim) parameter)")
     if args.batch_slots % world_size:
         raise ConfigError(f"world size {world_size} must divide batch_slots={args.batch_slots}; "
                           f"use {', '.join(str(n) for n in range(1, args.batch_slots + 1) if args.batch_slots % n == 0)} processes")
@@ -1198,7 +1291,7 @@ class DevicePlan:
     fp8: bool  # the lm_head's matmul in FP8
     loss_chunk: int  # training loss over this many positions at a time (ChunkedSoftcapLoss); 0: all at once
     compile: bool  # torch.compile the model
-    compile_muon: bool  # torch.compile Muon's orthogonalization
+    compile_optimizers: bool  # torch.compile Muon's orthogonalization and Adam's update
     pinned_memory: bool  # batches in pinned host memory, copied without blocking
     deterministic: bool  # torch's deterministic algorithms, so that a run repeats to the bit
     lines: tuple[str, ...]  # what the log says of each choice
@@ -1244,7 +1337,7 @@ def cpp_compiler_found() -> bool:
 
 def plan_device(args: Hyperparameters, device: torch.device, allocator: str = "") -> DevicePlan:
     """The plan for args on device: CUDA runs the record's way (FlexAttention, FP8 where the GPU has
-    it, compiled Muon and FP8 scaling); a CPU uses the same masks densely, the chunked loss and
+    it, compiled optimizers and FP8 scaling); a CPU uses the same masks densely, the chunked loss and
     deterministic kernels."""
     cuda = device.type == "cuda"
     fp8_ok, fp8_why = fp8_supported(device)
@@ -1252,7 +1345,7 @@ def plan_device(args: Hyperparameters, device: torch.device, allocator: str = ""
     loss_chunk = 0 if fp8 else args.loss_chunk  # the FP8 lm_head has its own op
     compile = args.compile and (cuda or cpp_compiler_found())
     dtype, dtype_why = auto_dtype(device) if args.dtype == "auto" else (args.dtype, "")
-    plan = DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, loss_chunk, compile, compile_muon=cuda,
+    plan = DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, loss_chunk, compile, compile_optimizers=cuda,
                       pinned_memory=cuda, deterministic=not cuda, lines=())
     if plan.attention == "sdpa":
         attention_why = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
@@ -1272,7 +1365,7 @@ def plan_device(args: Hyperparameters, device: torch.device, allocator: str = ""
         # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
         "deterministic algorithms: " + ("on (a CPU run repeats to the bit at the same thread count, compiled or not)"
                                         if plan.deterministic else "off (CUDA: the record's kernels)"),
-        f"muon: {args.orthogonalizer}, {'compiled' if plan.compile_muon else 'eager (compiled on CUDA only)'}",
+        f"optimizers: Muon with {args.orthogonalizer}; both {'compiled' if plan.compile_optimizers else 'eager (compiled on CUDA only)'}",
         f"dtype: {dtype}" + (f" (auto: {dtype_why})" if dtype_why else ""),
         f"pinned memory, non-blocking copies: {'on' if plan.pinned_memory else 'off (CUDA only)'}",
         f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
@@ -1298,24 +1391,26 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8,
                fp8_grad_scale=args.fp8_grad_scale, loss_chunk=plan.loss_chunk if plan else 0,
                embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
-               value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates)
+               value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
+               attn_gates=args.attn_gates)
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
-                     plan: DevicePlan | None = None) -> tuple[torch.optim.Adam, Muon]:
-    """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices,
-    in the plan's dtype (without one, args.dtype, eager). Each group remembers its initial_lr, which
-    the schedule scales. Value-embedding gates are a few scalars per head and go with the scalars."""
+                     plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
+    """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices
+    (attention gates included, as in the record), in the plan's dtype (without one, args.dtype, eager).
+    Each group remembers its initial_lr, which the schedule scales. Value-embedding gates are a few
+    scalars per head and go with the scalars."""
     gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
-    adam = torch.optim.Adam([dict(params=[model.lm_head.weight], lr=args.head_lr),
-                             dict(params=embeddings, lr=args.embed_lr),
-                             dict(params=[model.scalars, *gates], lr=args.scalar_lr)],
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
+    compiled = plan is not None and plan.compile_optimizers
+    adam = Adam([dict(params=[model.lm_head.weight], lr=args.head_lr), dict(params=embeddings, lr=args.embed_lr),
+                 dict(params=[model.scalars, *gates], lr=args.scalar_lr)],
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
-                neuron_beta2=args.muon_neuron_beta2, compiled=plan is not None and plan.compile_muon)
+                neuron_beta2=args.muon_neuron_beta2, compiled=compiled)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1386,7 +1481,8 @@ class Trainer:
         args, model, buckets = self.args, self.model, self.buckets
         lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
                  f"attention-free layer {attention_free_layer(args.num_layers, args.value_embed_layout)}; "
-                 f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; long-window layers "
+                 f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
+                 f"{'on' if args.attn_gates else 'off'}; long-window layers "
                  f"{[i for i, long in enumerate(model.long_window) if long]}"]
         flops = [sum(orthogonalization_flops(p.shape) for p in mine) for mine in self.muon.dealt]
         lines.append(f"muon: {len(self.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
@@ -1624,7 +1720,8 @@ def main(argv: list[str] | None = None) -> dict:
     if world_size > 1:
         check_ranks_agree(plan, world_size)
     # Data problems surface before anything is written.
-    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size, plan.pinned_memory)
+    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size, plan.pinned_memory,
+                         args.align_to_bos)
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
     if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()

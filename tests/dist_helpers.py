@@ -11,7 +11,7 @@ MODE is one of:
           buckets' parameter shapes and the bytes their hooks and waits copied (conftest.CopiedBytes)
           to $DIST_HELPERS_OUT/rank<R>.json.
   fail    train_gpt.py runs as __main__ (its own error handling), but rank 1 raises
-          RuntimeError("injected failure on rank 1") in its 3rd Adam step.
+          RuntimeError("injected failure on rank 1") instead of its 3rd gradient-bucket all-reduce.
 
 The runs still log train_gpt.py's source: train_gpt.main() reads its own file.
 """
@@ -78,16 +78,16 @@ class RecordingBuckets(train_gpt.GradientBuckets):
                     copied_bytes=self.copied_bytes, grad_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
 
-def fail_in_third_adam_step():
-    adam_step, calls = torch.optim.Adam.step, [0]
+def fail_in_third_bucket_all_reduce():
+    all_reduce, calls = dist.all_reduce, [0]
 
-    def step(self, *args, **kwargs):
-        calls[0] += 1
+    def launch(*args, async_op=False, **kwargs):
+        calls[0] += async_op and "group" not in kwargs  # the gradient buckets' (validation's waits; stop signals' has a group)
         if RANK == 1 and calls[0] == 3:
             raise RuntimeError("injected failure on rank 1")
-        return adam_step(self, *args, **kwargs)
+        return all_reduce(*args, async_op=async_op, **kwargs)
 
-    torch.optim.Adam.step = step
+    dist.all_reduce = launch
 
 
 def run_train_gpt(argv):
@@ -110,7 +110,7 @@ def main():
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{RANK}.json").write_text(json.dumps([b.summary() for b in RecordingBuckets.instances]))
     elif mode == "fail":
-        fail_in_third_adam_step()
+        fail_in_third_bucket_all_reduce()
         sys.argv = [str(ROOT / "train_gpt.py"), *argv]
         runpy.run_path(sys.argv[0], run_name="__main__")
     else:

@@ -19,7 +19,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"])
     plan = train_gpt.plan_device(args, CPU)
-    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile_muon, plan.pinned_memory) == ("sdpa", False, 1024, False, False)
+    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile_optimizers, plan.pinned_memory) == ("sdpa", False, 1024, False, False)
     assert plan.deterministic and plan.compile == train_gpt.cpp_compiler_found()
     assert plan.dtype == train_gpt.auto_dtype(CPU)[0]
     assert "fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
@@ -31,17 +31,18 @@ def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
 
 def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     """With FP8 available, the record preset gets FlexAttention, the FP8 lm_head (so the whole-sequence loss,
-    whatever loss_chunk says), compiled Muon, pinned memory and the record's kernels; the model built
+    whatever loss_chunk says), compiled optimizers, pinned memory and the record's kernels; the model built
     from the plan holds each choice."""
     monkeypatch.setattr(train_gpt, "fp8_supported", lambda device: (True, "compute capability 9.0"))
     args = dataclasses.replace(train_gpt.Hyperparameters(), loss_chunk=1024)
     plan = train_gpt.plan_device(args, CUDA, "PYTORCH_ALLOC_CONF=expandable_segments:True")
-    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile, plan.compile_muon) == ("flex", True, 0, True, True)
+    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile, plan.compile_optimizers) == ("flex", True, 0, True, True)
     assert plan.dtype == "bfloat16" and plan.pinned_memory and not plan.deterministic
     for line in ("attention: FlexAttention with block-sparse masks, compiled with the model",
                  "fp8 lm_head: on (compute capability 9.0), gradient scale record",
                  "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)",
-                 "deterministic algorithms: off (CUDA: the record's kernels)", "muon: newton_schulz, compiled",
+                 "deterministic algorithms: off (CUDA: the record's kernels)",
+                 "optimizers: Muon with newton_schulz; both compiled",
                  "dtype: bfloat16", "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True"):
         assert line in plan.lines, line
     eager = train_gpt.plan_device(dataclasses.replace(args, compile=False), CUDA, "x")
@@ -53,8 +54,9 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     assert model.attention_backend == "flex" and model.loss_chunk == 0
     assert model.lm_head.fp8_scales == train_gpt.lm_head_fp8_scales(64, "record")
     assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
-    muon = train_gpt.build_optimizers(model, small, plan=plan)[1]
+    adam, muon = train_gpt.build_optimizers(model, small, plan=plan)
     assert muon.orthogonalize is train_gpt.compiled_on_first_use(train_gpt.orthogonalize)
+    assert adam.update is train_gpt.compiled_on_first_use(train_gpt.adam_update)
     assert muon.dtype == torch.bfloat16
     without_fp8 = train_gpt.plan_device(dataclasses.replace(args, fp8=False), CUDA, "x")
     assert not without_fp8.fp8 and without_fp8.loss_chunk == 1024 and "fp8 lm_head: off (--fp8=false)" in without_fp8.lines

@@ -259,7 +259,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
 
 
 def test_a_failing_rank_brings_the_job_down(tiny_shards, tmp_path):
-    """Rank 1 raises in its 3rd step while rank 0 waits in a collective: torchrun must stop both."""
+    """Rank 1 raises instead of its 3rd gradient all-reduce while rank 0 waits in it: torchrun must stop both."""
     run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 2, *tiny_shards), mode="fail", check=False)
     assert run.returncode != 0
     assert "RuntimeError: injected failure on rank 1" in run.output

@@ -81,7 +81,7 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path):
 def test_resume_refuses_another_configuration(tiny_shards, tmp_path):
     first = run(tiny_shards, tmp_path, "--num_iterations=2", "--save_checkpoint", run_id="first")
     with pytest.raises(train_gpt.ConfigError, match=r"model_dim \(checkpoint 64, now 128\).*muon_lr"):
-        run(tiny_shards, tmp_path, "--num_iterations=2", "--model_dim=128", "--muon_lr=0.01",
+        run(tiny_shards, tmp_path, "--num_iterations=2", "--model_dim=128", "--head_dim=128", "--muon_lr=0.01",
             f"--resume={first['checkpoints'][-1]}", run_id="second")
 
 
@@ -164,6 +164,51 @@ def test_a_stream_restored_at_a_shards_last_batch_goes_on_to_the_next_shard(tmp_
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].numel() == 64
     assert whole.state_dict() == restored.state_dict() == dict(shard_index=1, pos=128, epoch=0)
     assert not torch.equal(first[0][0], whole.tokens[:64].int())  # the second batch came from the second shard
+
+
+def documents_shard(path, lengths, lead=0):
+    """A shard of documents of the given lengths (each an EOT, then tokens naming its document and
+    position), after `lead` tokens that belong to no document start."""
+    import numpy as np
+    import shards
+    tokens = [7] * lead
+    for d, length in enumerate(lengths):
+        tokens += [train_gpt.EOT_TOKEN] + [1000 * (d + 1) + i for i in range(1, length)]
+    shards.write_shard(path, np.array(tokens))
+    return tokens
+
+
+def test_aligned_sequences_start_at_documents_and_the_next_shard_when_one_runs_out(tmp_path):
+    """Sequences of 8 (+1) tokens, 2 slots, aligned to documents, worked out by hand. Shard 0's documents
+    start at 0, 3, 12, 16, 20, 32, 34, 41, 46, 54 (74 tokens). Step 1: slot 0 at 0; 12 is the first start
+    8 or more on, so slot 1 begins there, and 20 (8 past 12) begins step 2, whose slots are 20 and 32
+    (12 on), ending at 41 (9 on). At 41, 41 + 2 x 2 x 8 + 1 >= 74: step 3 reads shard 1, whose
+    documents start at 3, 13, 23, ... after 3 stray tokens. Rank r of 2 gets slot r."""
+    first = documents_shard(tmp_path / "a_train_000000.bin", [3, 9, 4, 4, 12, 2, 7, 5, 8, 20])
+    second = documents_shard(tmp_path / "a_train_000001.bin", [10] * 6, lead=3)
+    assert len(first) == 74 and len(second) == 63
+    expected = [(first, 0, 12), (first, 20, 32), (second, 3, 13)]
+    streams = [train_gpt.TokenStream(str(tmp_path / "a_train_*.bin"), 8, 2, torch.device("cpu"), 50257, align_to_bos=True)
+               for _ in range(3)]
+    for shard, *starts in expected:
+        whole = streams[0].next_batch(0, 1)
+        halves = [streams[1].next_batch(0, 2), streams[2].next_batch(1, 2)]
+        assert len(whole) == 2 and [len(h) for h in halves] == [1, 1]
+        for slot, start in enumerate(starts):
+            assert shard[start] == train_gpt.EOT_TOKEN
+            window = torch.tensor(shard[start:start + 9])
+            for inputs, targets in (whole[slot], halves[slot][0]):
+                assert torch.equal(inputs.long(), window[:-1]) and torch.equal(targets, window[1:])
+    assert streams[0].state_dict() == dict(shard_index=1, pos=23, epoch=0)
+
+
+def test_documents_too_long_to_align_stop_with_a_clear_error(tmp_path):
+    """Documents of 40 tokens: no second document start within the 2 x 2 x 8 tokens a batch may span."""
+    documents_shard(tmp_path / "b_train_000000.bin", [40] * 4)
+    stream = train_gpt.TokenStream(str(tmp_path / "b_train_*.bin"), 8, 2, torch.device("cpu"), 50257, align_to_bos=True)
+    with pytest.raises(train_gpt.DataError, match=r"b_train_000000\.bin: fewer than 2 document-aligned sequences of 8 "
+                                                  r"tokens .* --align_to_bos=false"):
+        stream.next_batch(0, 1)
 
 
 def test_each_optimizer_group_gets_its_lr():
@@ -253,13 +298,16 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's choices; the project's own are settings."""
+    """The record preset keeps the published record's (2025-08-23) choices; the project's own are settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr) == ("newton_schulz", "record", 0.05)
+    assert (args.num_iterations, args.cooldown_frac, args.head_lr, args.embed_lr, args.scalar_lr) == (1695, 0.45, 0.008, 0.6, 0.04)
+    assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.8, 0.95, 1e-10)
+    assert args.attn_gates and args.align_to_bos and args.window_tokens == 1728 and args.warmup_steps == 10
     # the ideas under measurement on the CPU track are off
     assert (args.loss_chunk, args.muon_neuron_beta2, args.muon_cautious_wd, args.value_embed_layout,
             args.value_embed_gates, args.dtype) == (0, 0.0, 0.0, "u", False, "bfloat16")
-    assert train_gpt.lm_head_fp8_scales(args.model_dim, args.fp8_grad_scale) == (768**0.5 / 448, 24 / 448, 1 / 448)
+    assert train_gpt.lm_head_fp8_scales(args.model_dim, args.fp8_grad_scale) == (768**0.5 / 448, 2**-9, 1 / 448)
     model = train_gpt.GPT(1024, 2, 1, 64, 64, 128, fp8=True, fp8_grad_scale=args.fp8_grad_scale)
     assert model.lm_head.fp8_scales[2] == 1 / 448
     assert train_gpt.build_optimizers(model, args)[1].method == "newton_schulz"
@@ -365,7 +413,7 @@ def test_compiled_training_on_cpu_matches_eager_and_repeats_to_the_bit(tiny_shar
     for step in (1, 2):
         assert compiled["train_losses"][step] == pytest.approx(eager["train_losses"][step], rel=1e-5, abs=0)
     assert compiled["val_losses"][3] == pytest.approx(eager["val_losses"][3], rel=1e-2, abs=0)
-    assert compiled["val_losses"][3] < compiled["val_losses"][0] - 0.3  # and it learned
+    assert compiled["val_losses"][3] < compiled["val_losses"][0] - 0.2  # and it learned
 
 
 VECTOR_MATH_PROBE = """

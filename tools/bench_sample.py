@@ -32,8 +32,10 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
     model = train_gpt.build_model(args, max(args.seq_len, args.val_seq_len))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            if name.endswith("mlp.c_proj") or name == "lm_head.weight":
                 p.normal_(0, 0.5 * p.size(1) ** -0.5)
+            elif name.endswith("qkvo_w"):
+                p[3].normal_(0, 0.5 * p.size(-1) ** -0.5)
     trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])
     return sample.generation_layout(model.to(device).eval()), train_gpt.window_blocks(args.num_iterations, args)
@@ -46,7 +48,7 @@ def every_position_generation(model: train_gpt.GPT, window: int, tokens: int):
     for _ in range(tokens):
         padded = sample.pad_to_blocks(sequence)
         x = model.trunk(padded, train_gpt.attention_masks(padded, window, model.attention_backend))
-        logits = model.softcapped_logits(x[0])[sequence.numel() - 1, :model.embed.num_embeddings]
+        logits = model.softcapped_logits(x[0])[sequence.numel() - 1, :model.vocab_size]
         token = int(logits.argmax())
         yield token
         sequence = torch.cat([sequence, sequence.new_tensor([token])])

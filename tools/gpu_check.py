@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED_RECORD = ("2025-08-23 record (SparseAttnGate) computes: val 3.2772 at step 1695 after 168.9 s of "
+                    "training on 8xH100 in its published log, unmeasured by us")
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -79,8 +81,7 @@ def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: in
     scales = train_gpt.lm_head_fp8_scales(model_dim)
 
     def loss(z):
-        logits = train_gpt.LOGIT_SOFTCAP * torch.sigmoid(z.float() / (train_gpt.LOGIT_SOFTCAP_SPREAD * model_dim**0.5))
-        return F.cross_entropy(logits, targets, reduction="sum")
+        return F.cross_entropy(train_gpt.softcap(z), targets, reduction="sum")
 
     def fp8(x, w):
         return train_gpt.fp8_mm(x, w, *scales)[0]
@@ -195,9 +196,9 @@ def allreduce_worker(out_path: str, backend: str):
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     # the record's hidden matrix shapes and an lm_head-sized one, in the order backward makes them ready
-    shapes = [(50304, 768), *[(768, 3072), (3072, 768), (768, 768), (3, 768, 768)] * 4]
+    shapes = [(50304, 768), *[(768, 3072), (768, 3072), (6, 12), (4, 768, 768)] * 4]
     if backend == "gloo":
-        shapes = [(*s[:-1], s[-1] // 8) for s in shapes]  # keep CPU processes quick
+        shapes = [(*s[:-1], max(1, s[-1] // 8)) for s in shapes]  # keep CPU processes quick
     params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
     buckets = train_gpt.GradientBuckets(params, 25_000_000, world_size)
 
@@ -285,6 +286,7 @@ def main(argv=None):
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     train_gpt.configure_cuda_allocator()  # as the training script does, before CUDA initializes
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    print(f"The record preset computes what the {PUBLISHED_RECORD}.")
     print(f"{'check':<16} {'result':<5} figures")
     rows = run_checks(device)
     failed = [name for name, status, _ in rows if status == "FAIL"]

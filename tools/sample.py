@@ -198,7 +198,7 @@ def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, windo
     device = model.embed.weight.device
     new = sequence = torch.tensor(prompt, dtype=torch.long, device=device)
     cache = KVCache(model.num_layers, len(prompt) + max_new_tokens) if use_cache else None
-    vocab_size = model.embed.num_embeddings  # the lm_head's padding columns are no tokens
+    vocab_size = model.vocab_size  # the lm_head's (and embeddings') padding rows are no tokens
     for _ in range(max_new_tokens):
         logits = next_token_logits(model, new if use_cache else sequence, window_blocks, cache)
         token = choose(logits[:vocab_size], temperature, top_k, generator)
