@@ -456,8 +456,9 @@ class CastedLinear(nn.Linear):
         self.fp8_scales = fp8_scales
 
     def reset_parameters(self):
+        bound = init_bound(self.in_features)
         with torch.no_grad():
-            self.weight.uniform_(-init_bound(self.in_features), init_bound(self.in_features))
+            self.weight.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8_scales is not None and self.training:
@@ -1002,8 +1003,8 @@ class TokenStream:
         self.tokens = load_shard(self.paths[index], None, self.pin_memory)
         self.shard_length = len(self.tokens)
         if self.shard_length < self.span + 2:
-            raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than one batch needs "
-                            f"({self.span + 2}: {self.num_slots} x {self.seq_len}{', twice' if self.align_to_bos else ''}, + 2)")
+            raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than the {self.span + 2} that one "
+                            f"batch of {self.num_slots} x {self.seq_len} may span")
 
     @property
     def unchecked(self) -> bool:
@@ -1401,12 +1402,12 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     (attention gates included, as in the record), in the plan's dtype (without one, args.dtype, eager).
     Each group remembers its initial_lr, which the schedule scales. Value-embedding gates are a few
     scalars per head and go with the scalars."""
-    gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
-    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
+    ve_gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in ve_gates)]
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
     compiled = plan is not None and plan.compile_optimizers
     adam = Adam([dict(params=[model.lm_head.weight], lr=args.head_lr), dict(params=embeddings, lr=args.embed_lr),
-                 dict(params=[model.scalars, *gates], lr=args.scalar_lr)],
+                 dict(params=[model.scalars, *ve_gates], lr=args.scalar_lr)],
                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,

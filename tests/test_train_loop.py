@@ -211,6 +211,14 @@ def test_documents_too_long_to_align_stop_with_a_clear_error(tmp_path):
         stream.next_batch(0, 1)
 
 
+def test_a_shard_shorter_than_an_aligned_batch_may_span_is_refused(tmp_path):
+    """2 x 8 tokens aligned may span 2 x 2 x 8, and the shard must hold 2 more (the record's condition)."""
+    documents_shard(tmp_path / "c_train_000000.bin", [3] * 11)  # 33 tokens
+    with pytest.raises(train_gpt.DataError, match=r"c_train_000000\.bin: 33 tokens, fewer than the 34 that one batch of 2 x 8"):
+        train_gpt.TokenStream(str(tmp_path / "c_train_*.bin"), 8, 2, torch.device("cpu"), 50257, align_to_bos=True)
+    train_gpt.TokenStream(str(tmp_path / "c_train_*.bin"), 8, 2, torch.device("cpu"), 50257)  # unaligned: 18 suffice
+
+
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by exactly lr * sign(grad), so each group's lr shows."""
     args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)
