@@ -212,11 +212,14 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_
 
 def flops_per_token(model, args) -> float:
     """Training FLOPs per token of train_gpt's GPT: 6 per matmul weight (forward + backward), plus
-    attention scores and values over the average window (about half of it, QK^T and AV, forward and backward)."""
+    attention scores and values (QK^T and AV, forward and backward) over the keys a query sees on
+    average: about half its layer's window (or sequence), over the window stages."""
     matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.ndim >= 2 and "embed" not in name)
-    attention_layers = sum(block.attn is not None for block in model.blocks)
-    avg_keys = min(args.window_tokens, args.seq_len) / 2
-    return 6 * matmul_weights + 12 * attention_layers * args.num_heads * args.head_dim * avg_keys
+    windows = [min((stage if long else stage // 2) * args.window_unit, args.seq_len) / 2
+               for block, long in zip(model.blocks, model.long_window) if block.attn is not None
+               for stage in args.window_stages]
+    keys = sum(windows) / len(args.window_stages)  # over the attention layers
+    return 6 * matmul_weights + 12 * args.num_heads * args.head_dim * keys
 
 
 @dataclass

@@ -468,15 +468,33 @@ class CastedLinear(nn.Linear):
 
 
 class Rotary(nn.Module):
-    """Rotary embedding on half of each head's dims; the other half carries no position."""
+    """Rotary embedding on half of each head's dims (the other half carries no position), one table
+    for every layer. The frequencies are a float32 CPU tensor, not a buffer: the tables are made on
+    the CPU and copied, so every device holds the same values."""
 
-    def __init__(self, head_dim: int, max_seq_len: int):
+    def __init__(self, head_dim: int, max_seq_len: int, window_unit: int = BLOCK_SIZE):
         super().__init__()
+        self.window_unit = window_unit  # tokens per unit of the windows rescale() is given
         freqs = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
-        freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
-        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-        self.cos = nn.Buffer(theta.cos(), persistent=False)
-        self.sin = nn.Buffer(theta.sin(), persistent=False)
+        self.freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
+        self.cos = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.sin = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self._fill_tables()
+
+    def _fill_tables(self):
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32), self.freqs)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+
+    def rescale(self, old_window: int, new_window: int):
+        """YaRN (arXiv 2309.00071) as the 2025-09-10 record applies it when the long window changes (in
+        window units): frequencies that turn less than once over the old window slow by old/new, those turning
+        32 times or more keep theirs, and those between blend linearly."""
+        rotations = self.window_unit * old_window * self.freqs / (2 * torch.pi)
+        ratio = old_window / new_window
+        blend = torch.clamp((rotations - 1) / (32 - 1), 0, 1)
+        self.freqs *= ratio + blend * (1 - ratio)
+        self._fill_tables()
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:  # (B, T, H, D) at positions start, start + 1, ...
         cos = self.cos[None, start:start + x.size(-3), None, :]
@@ -485,64 +503,38 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
-def document_causal_blocks(tokens: Tensor):
-    """Block structure of a document-causal mask over a 1-D token sequence.
-
-    Documents start at EOT_TOKEN. For query block i and kv block j, a block is full when every pair
-    may attend (strictly earlier, one shared document) and partial when only some may (the causal
-    diagonal, or a document edge). Returns (docs, partial_num, partial_idx, full_num, full_idx);
-    indices list each row's blocks most recent first, so keeping the first k keeps the newest.
-    """
-    num_blocks = tokens.numel() // BLOCK_SIZE
+def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int = 0):
+    """Causal attention within documents (each starts at EOT_TOKEN) to the keys at most window tokens
+    back (window + 1 keys with the query's own): a FlexAttention BlockMask for backend "flex", a dense
+    boolean (T, T) mask with exactly its pairs for "sdpa". first_query: generation's hook, the dense
+    mask's rows from there on."""
     docs = (tokens == EOT_TOKEN).cumsum(0)
+
+    def allowed(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
+
+    if backend != "flex":
+        pos = torch.arange(tokens.numel(), device=tokens.device)
+        return allowed(None, None, pos[first_query:, None], pos[None, :])
+    # Per (query block, key block): full when every pair is allowed, partial when some may be.
+    num_blocks = tokens.numel() // BLOCK_SIZE
     first, last = docs.view(num_blocks, BLOCK_SIZE)[:, 0], docs.view(num_blocks, BLOCK_SIZE)[:, -1]
     blocks = torch.arange(num_blocks, device=tokens.device)
-    any_pair = (blocks[:, None] >= blocks) & (first[:, None] <= last) & (last[:, None] >= first)
-    all_pairs = (blocks[:, None] > blocks) & (first[:, None] == last) & (last[:, None] == first)
-    partial = any_pair & ~all_pairs
+    distance = BLOCK_SIZE * (blocks[:, None] - blocks)  # between the blocks' first tokens
+    some = (distance >= 0) & (distance - (BLOCK_SIZE - 1) <= window) & (first[:, None] <= last) & (last[:, None] >= first)
+    every = (distance > 0) & (distance + (BLOCK_SIZE - 1) <= window) & (first[:, None] == last) & (last[:, None] == first)
 
-    def newest_first(mask):
-        order = torch.argsort(torch.where(mask, blocks + 1, 0), dim=-1, descending=True, stable=True)
-        return mask.sum(-1, dtype=torch.int32), order.to(torch.int32)
+    def listed(mask):  # each row's count, and its blocks first
+        order = torch.argsort(mask.logical_not().to(torch.int8), dim=-1, stable=True)
+        return mask.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
-    return (docs, *newest_first(partial), *newest_first(all_pairs))
-
-
-def window_block_counts(partial_num: Tensor, full_num: Tensor, window_blocks) -> tuple[Tensor, Tensor]:
-    """Keep the newest window_blocks kv blocks: full ones up to window-1, partial ones what remains (>= 1)."""
-    full_kept = torch.clamp_max(full_num, window_blocks - 1)
-    partial_kept = torch.clamp_max(partial_num, torch.clamp_min(window_blocks - full_num, 1))
-    return partial_kept, full_kept
+    return BlockMask.from_kv_blocks(*listed(some & ~every), *listed(every), BLOCK_SIZE=BLOCK_SIZE, mask_mod=allowed)
 
 
-def attention_masks(tokens: Tensor, window_blocks, backend: str, first_query: int = 0) -> tuple:
-    """The long- and short-window masks of one sequence (short: half as many blocks, at least one):
-    FlexAttention BlockMasks for backend "flex", dense boolean (T, T) masks with exactly the same
-    pairs for backend "sdpa". first_query: generation's hook, the dense masks' rows from there on."""
-    docs, partial_num, partial_idx, full_num, full_idx = document_causal_blocks(tokens)
-    window_blocks = torch.as_tensor(window_blocks, dtype=torch.int32, device=tokens.device)
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
-
-    def build(window):
-        partial_kept, full_kept = window_block_counts(partial_num, full_num, window)
-        if backend == "flex":
-            return BlockMask.from_kv_blocks(partial_kept[None, None], partial_idx[None, None],
-                                            full_kept[None, None], full_idx[None, None],
-                                            BLOCK_SIZE=BLOCK_SIZE, mask_mod=document_causal)
-        slot = torch.arange(partial_idx.size(-1), device=tokens.device)
-        block_allowed = torch.zeros_like(partial_idx, dtype=torch.bool)
-        block_allowed.scatter_(1, partial_idx.long(), slot < partial_kept[:, None])
-        block_allowed |= torch.zeros_like(block_allowed).scatter_(1, full_idx.long(), slot < full_kept[:, None])
-        pos = torch.arange(tokens.numel(), device=tokens.device)
-        # each block's column repeated for its positions: a copy, where indexing by pos // BLOCK_SIZE
-        # would be a slower elementwise gather
-        per_key = block_allowed[:, :, None].expand(-1, -1, BLOCK_SIZE).flatten(1)
-        rows = pos[first_query:]
-        return per_key[rows // BLOCK_SIZE] & document_causal(None, None, rows[:, None], pos[None, :])
-
-    return build(window_blocks), build(torch.clamp_min(window_blocks // 2, 1))
+def attention_masks(tokens: Tensor, window: int, backend: str, first_query: int = 0, unit: int = BLOCK_SIZE) -> tuple:
+    """The masks of the long- and short-window layers for a long window of window units of unit tokens:
+    that many units, and half as many (rounded down) for the short one."""
+    return tuple(attention_mask(tokens, units * unit, backend, first_query) for units in (window, window // 2))
 
 
 # Dense-mask attention runs this many queries at a time, each block against the keys up to its last
@@ -572,16 +564,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     return torch.cat(blocks, dim=2)
 
 
-ATTENTION_SCALE = 0.12  # the record's fixed softmax scale (QK-normed, so no 1/sqrt(d))
+def attention_scales(windows, first_scale: float, growth: float = 0.2) -> dict[int, float]:
+    """The softmax scale (QK-normed, so no 1/sqrt(d)) for each window of a run in order: first_scale,
+    times 1 + growth ln(new / previous) at each new window (longer windows, sharper attention)."""
+    distinct = list(dict.fromkeys(windows))
+    scales = [first_scale]
+    for previous, new in zip(distinct, distinct[1:]):
+        scales.append(scales[-1] * (growth * math.log(new / previous) + 1))
+    return dict(zip(distinct, scales))
 
 
-VE_GATE_INPUTS = 12  # residual-stream dims a value-embedding gate reads
-ATTN_GATE_WIDTH_DIVISOR = 64  # the attention output gate reads the first model_dim // 64 dims (12 at 768; at least 1)
+GATE_INPUTS = 12  # residual-stream dims the attention and value-embedding gates read
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, attn_gate: bool = False,
-                 ve_gate: bool = False):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         if num_heads * head_dim != model_dim:
@@ -592,22 +589,23 @@ class CausalSelfAttention(nn.Module):
         with torch.no_grad():
             self.qkvo_w[:3].uniform_(-bound, bound)
             self.qkvo_w[3].zero_()
-        # Optional gates, per head, zero-initialized: the attention output times sigmoid(w . x[:model_dim // 64])
-        # (the record), and the value embedding times 2 sigmoid(w . x[:12]) (from later records).
-        self.attn_gate = CastedLinear(max(1, model_dim // ATTN_GATE_WIDTH_DIVISOR), num_heads) if attn_gate else None
-        self.ve_gate = CastedLinear(min(VE_GATE_INPUTS, model_dim), num_heads) if ve_gate else None
+        # Optional gates, per head, zero-initialized: the attention output times sigmoid(w . x[:12]) (the
+        # record), and the value embedding times 2 sigmoid(w . x[:12]) (from later records).
+        gate_inputs = min(GATE_INPUTS, model_dim)
+        self.attn_gate = CastedLinear(gate_inputs, num_heads) if attn_gate else None
+        self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
         for gate in (self.attn_gate, self.ve_gate):
             if gate is not None:
                 gate.weight.detach().zero_()
-        self.rotary = Rotary(head_dim, max_seq_len)
 
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, cache=None) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
+                cache=None) -> Tensor:
         """cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values."""
         B, T = x.size(0), x.size(1)
         start = 0 if cache is None else cache.length  # position of x's first token
         qkv = F.linear(x, self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k = self.rotary(norm(q), start), self.rotary(norm(k), start)
+        q, k = rotary(norm(q), start), rotary(norm(k), start)
         if ve is None:
             v = lambdas[0] * v
         elif self.ve_gate is None:
@@ -618,7 +616,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
-        y = attend(q, k, v, mask, ATTENTION_SCALE).transpose(1, 2)
+        y = attend(q, k, v, mask, scale).transpose(1, 2)
         if self.attn_gate is not None:
             y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, self.num_heads, 1)
         return F.linear(y.reshape(B, T, -1), self.qkvo_w[3].type_as(y))
@@ -640,19 +638,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, has_mlp: bool,
                  attn_gate: bool = False, ve_gate: bool = False):
         super().__init__()
-        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, max_seq_len, attn_gate, ve_gate)
-                     if has_attention else None)
-        self.mlp = MLP(model_dim)
+        self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate) if has_attention else None
+        self.mlp = MLP(model_dim) if has_mlp else None
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, lambdas: Tensor, attn_lambdas: Tensor,
-                cache=None) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, lambdas: Tensor, attn_lambdas: Tensor, mask,
+                rotary: Rotary, scale: float, cache=None) -> Tensor:
         x = lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, attn_lambdas, mask, cache)
-        return x + self.mlp(norm(x))
+            x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache)
+        if self.mlp is not None:
+            x = x + self.mlp(norm(x))
+        return x
 
 
 VALUE_EMBED_LAYOUTS = ("u", "alternate")  # the values of Hyperparameters.value_embed_layout
@@ -750,12 +749,16 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 class GPT(nn.Module):
     """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
     order in which gradients become ready in backward (the bucketing relies on it). The device plan
-    gives the attention backend, the FP8 lm_head, the training loss's chunks and the embeddings' dtype."""
+    gives the attention backend, the FP8 lm_head, the training loss's chunks and the embeddings' dtype.
+    windows: every long window of a run, in order (window_stages, then final_window), in units of
+    window_unit tokens, each with its softmax scale from attention_scale."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
-                 value_embed_gates: bool = False, attn_gates: bool = False):
+                 value_embed_gates: bool = False, attn_gates: bool = False, first_layer_mlp: bool = False,
+                 windows=(3, 7, 11, 13), window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1,
+                 attention_scale_growth: float = 0.2):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
@@ -775,9 +778,12 @@ class GPT(nn.Module):
             torch.tensor([1.0, 0.0]).repeat(num_layers),
             torch.tensor([0.5, 0.5]).repeat(num_layers),
         ]))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, max_seq_len, i != no_attention,
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, i > 0 or first_layer_mlp,
                                           attn_gates, value_embed_gates and self.ve_layout[i] is not None)
                                     for i in range(num_layers))
+        self.window_unit = window_unit
+        self.rotary = Rotary(head_dim, max_seq_len, window_unit)
+        self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
         self.lm_head = CastedLinear(model_dim, padded_vocab,
                                     lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
         self.lm_head.weight.detach().zero_()
@@ -785,10 +791,10 @@ class GPT(nn.Module):
         for table in [self.embed, *self.value_embeds]:
             table.to(embed_dtype)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks) -> Tensor:
-        """input_seq, target_seq: (T,) tokens. Training returns the summed loss, eval the mean, computed
-        EVAL_LOSS_CHUNK positions at a time."""
-        x = self.trunk(input_seq, attention_masks(input_seq, window_blocks, self.attention_backend))
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window: int) -> Tensor:
+        """input_seq, target_seq: (T,) tokens; window: the long window in window units. Training returns the
+        summed loss, eval the mean, computed EVAL_LOSS_CHUNK positions at a time."""
+        x = self.trunk(input_seq, window)
         if self.training and not self.loss_chunk:
             logits = self.softcapped_logits(x)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
@@ -796,15 +802,17 @@ class GPT(nn.Module):
                                        self.loss_chunk if self.training else EVAL_LOSS_CHUNK)
         return loss if self.training else loss / target_seq.numel()
 
-    def trunk(self, tokens: Tensor, masks: tuple, cache=None) -> Tensor:
+    def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None) -> Tensor:
         """Embeddings and blocks with x0 mixing, value embeddings and U-net skips: the final residual
-        stream (1, T, D) of tokens (T,), attending under masks (long, short) from attention_masks().
-        cache: generation's hook, a KV cache whose layers[i] serves block i (tools/sample.py)."""
+        stream (1, T, D) of tokens (T,), with a long window of window units. Generation's hooks
+        (tools/sample.py): masks, the (long, short) rows of attention_masks() for these positions, and
+        cache, a KV cache whose layers[i] serves block i."""
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
         attn_lambdas = self.scalars[L // 2 + 2 * L:].view(L, 2)
-        long_mask, short_mask = masks
+        long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit)
+        scale = self.attention_scales[window]
         ve = [table(tokens)[None] for table in self.value_embeds]
         x = x0 = norm(self.embed(tokens)[None])
         skips = []
@@ -812,8 +820,8 @@ class GPT(nn.Module):
             if i >= L // 2:
                 x = x + skip_weights[i - L // 2] * skips.pop()
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
-            x = block(x, x0, layer_ve, long_mask if self.long_window[i] else short_mask, lambdas[i], attn_lambdas[i],
-                      None if cache is None else cache.layers[i])
+            x = block(x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
+                      self.rotary, scale, None if cache is None else cache.layers[i])
             if i < L // 2:
                 skips.append(x)
         return x
@@ -973,13 +981,13 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 
 class TokenStream:
     """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets);
-    rank r gets slots r, r + W, r + 2W, ... (one per micro-step). Without align_to_bos the slots are
-    consecutive; with it (the record) each starts at a document's first token: a slot runs from a
-    document start to the first later document start at least seq_len tokens on (it takes seq_len + 1
-    of those tokens), where the next slot begins. A new shard is read when fewer than a batch's
-    tokens (twice that, aligned) remain; the last shard wraps around to the first.
-    state_dict() is the exact read position. pin_memory: shards in pinned host memory and batches
-    copied to the device without blocking.
+    rank r gets slots r, r + W, r + 2W, ... (one per micro-step). With packed_doc_len=0 the slots are
+    consecutive tokens. Packed (the record), each slot is whole documents from their first tokens,
+    each clipped to packed_doc_len tokens and the last to what fills the slot; what a clip leaves is
+    skipped, and the next document starts the next segment. The next shard is read when fewer than a
+    batch's tokens remain (packed: when its documents cannot fill the batch, which is dropped); the
+    last shard wraps around to the first. state_dict() is the exact read position. pin_memory: shards
+    in pinned host memory and batches copied to the device without blocking.
 
     A shard is read when its first batch is asked for, as the record reads them: on the training clock.
     Its token ids are checked once, by check_shard() (the record has no such check; the loop runs it
@@ -987,12 +995,11 @@ class TokenStream:
     restored, so that bad data stops a run before anything is written."""
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
-                 pin_memory: bool = False, align_to_bos: bool = False):
+                 pin_memory: bool = False, packed_doc_len: int = 0):
         self.paths = shard_paths(pattern, "train")
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
-        self.pin_memory, self.align_to_bos = pin_memory, align_to_bos
-        # Tokens a batch may span: aligned slots skip the ends of documents, up to twice as many.
-        self.span = num_slots * seq_len * (2 if align_to_bos else 1)
+        self.pin_memory, self.packed_doc_len = pin_memory, packed_doc_len
+        self.span = num_slots * seq_len  # tokens a batch reads, unpacked
         self.shard_index, self.pos, self.epoch = 0, 0, 0
         self.checked = set()  # the shards whose token ids were checked
         self._read(0)
@@ -1002,9 +1009,16 @@ class TokenStream:
     def _read(self, index: int):
         self.tokens = load_shard(self.paths[index], None, self.pin_memory)
         self.shard_length = len(self.tokens)
-        if self.shard_length < self.span + 2:
-            raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than the {self.span + 2} that one "
-                            f"batch of {self.num_slots} x {self.seq_len} may span")
+        if not self.packed_doc_len:
+            if self.shard_length < self.span + 2:
+                raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than the {self.span + 2} that one "
+                                f"batch of {self.num_slots} x {self.seq_len} reads")
+            return
+        self.doc_starts = np.flatnonzero(self.tokens.numpy() == EOT_TOKEN)
+        if self._packed_segments(0) is None:
+            raise DataError(f"{self.paths[index]}: its documents, clipped to packed_doc_len={self.packed_doc_len} tokens, "
+                            f"cannot fill one batch of {self.num_slots} x {self.seq_len + 1} tokens "
+                            f"(pass --packed_doc_len=0 for consecutive tokens)")
 
     @property
     def unchecked(self) -> bool:
@@ -1026,36 +1040,49 @@ class TokenStream:
         self.check_shard()
         self.tokens = None
 
-    def _slot_starts(self) -> tuple[list[int], int]:
-        """Where each slot's sequence starts, and where the next batch starts."""
-        if not self.align_to_bos:
-            return [self.pos + slot * self.seq_len for slot in range(self.num_slots)], self.pos + self.span
-        window = self.tokens[self.pos:self.pos + self.span]
-        doc_starts = ((window == EOT_TOKEN).nonzero().flatten() + self.pos).tolist()
-        starts = doc_starts[:1]  # the last one is the slot being filled
-        for end in doc_starts[1:]:
-            if end - starts[-1] >= self.seq_len:
-                if len(starts) == self.num_slots:
-                    return starts, end
-                starts.append(end)
-        raise DataError(f"{self.paths[self.shard_index]}: fewer than {self.num_slots} document-aligned sequences of "
-                        f"{self.seq_len} tokens in the {self.span} from position {self.pos}: the documents are too "
-                        f"long to align (pass --align_to_bos=false)")
+    def _next_shard(self):
+        self.shard_index = (self.shard_index + 1) % len(self.paths)
+        self.epoch += self.shard_index == 0
+        self.pos = 0
+        self._read(self.shard_index)
+
+    def _packed_segments(self, pos: int) -> tuple[list[list[tuple[int, int]]], int] | None:
+        """Each slot's (start, end) document segments from the first document at or after pos, and
+        where the next batch starts; None when the shard's documents run out first."""
+        starts, i = self.doc_starts, int(np.searchsorted(self.doc_starts, pos))
+        slots = []
+        for _ in range(self.num_slots):
+            segments, missing = [], self.seq_len + 1
+            while missing:
+                if i == len(starts):
+                    return None
+                start = int(starts[i])
+                end = min(int(starts[i + 1]) if i + 1 < len(starts) else self.shard_length,
+                          start + self.packed_doc_len, start + missing)
+                segments.append((start, end))
+                missing -= end - start
+                i += 1
+            slots.append(segments)
+        return slots, int(starts[i]) if i < len(starts) else self.shard_length
 
     def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
-        if self.pos + self.span + 1 >= self.shard_length:
-            self.shard_index = (self.shard_index + 1) % len(self.paths)
-            self.epoch += self.shard_index == 0
-            self.pos, self.tokens = 0, None
         if self.tokens is None:
             self._read(self.shard_index)
-        starts, self.pos = self._slot_starts()
-        micro_batches = []
-        for start in starts[rank::world_size]:
-            buf = self.tokens[start:][:self.seq_len + 1]
-            micro_batches.append((buf[:-1].to(self.device, torch.int32, non_blocking=self.pin_memory),
-                                  buf[1:].to(self.device, torch.int64, non_blocking=self.pin_memory)))
-        return micro_batches
+        if self.packed_doc_len:
+            packed = self._packed_segments(self.pos)
+            if packed is None:
+                self._next_shard()
+                packed = self._packed_segments(0)
+            slots, self.pos = packed
+            mine = [torch.cat([self.tokens[start:end] for start, end in segments]) for segments in slots[rank::world_size]]
+        else:
+            if self.pos + self.span + 1 >= self.shard_length:
+                self._next_shard()
+            mine = [self.tokens[start:start + self.seq_len + 1]
+                    for start in range(self.pos + rank * self.seq_len, self.pos + self.span, world_size * self.seq_len)]
+            self.pos += self.span
+        return [(buf[:-1].to(self.device, torch.int32, non_blocking=self.pin_memory),
+                 buf[1:].to(self.device, torch.int64, non_blocking=self.pin_memory)) for buf in mine]
 
 
 def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size: int) -> Tensor:
@@ -1095,13 +1122,15 @@ class Hyperparameters:
     seq_len: int = 48 * 1024  # training tokens per sequence (one sequence per rank per micro-step)
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
-    align_to_bos: bool = True  # each training sequence starts at a document's first token (false: consecutive tokens)
+    packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 1695  # optimizer steps
-    cooldown_frac: float = 0.45  # final fraction of training in which the lr decays linearly to 0.1x
+    num_iterations: int = 1670  # optimizer steps
+    cooldown_frac: float = 0.5  # final fraction of training in which the lr decays linearly to 0.1x
     val_loss_every: int = 125  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
-    window_tokens: int = 1728  # long sliding window at the end of training; it grows from one block, short = half
+    window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of training; short-window layers get half (rounded down)
+    final_window: int = 13  # long window in window units for the final validation
+    window_unit: int = 128  # tokens per window unit (the record: one 128-token block)
     # model
     vocab_size: int = 50257  # GPT-2 tokens; the lm_head is padded to a multiple of 128
     num_layers: int = 12  # even: the first half feeds the second through U-net skips
@@ -1111,6 +1140,9 @@ class Hyperparameters:
     value_embed_layout: str = "u"  # value-embedding tables on layers: u (the record: first and last three) or alternate (every other layer; reported better in later records)
     value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
     attn_gates: bool = True  # a learned per-head gate on each attention output, trained by Muon (the record's sparse attention gate)
+    first_layer_mlp: bool = False  # an MLP in layer 0 (the record has none)
+    attention_scale: float = 0.1  # softmax scale in the first window stage
+    attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.6  # Adam lr for token and value embeddings
@@ -1128,7 +1160,7 @@ class Hyperparameters:
     # systems
     dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
-    warmup_steps: int = 10  # steps on random tokens before training, to compile; state restored afterwards
+    warmup_steps: int = 30  # steps on random tokens before training, to compile (each window stage in turn); state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
     fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (1/448, published) or e5m2_bound (ours: keeps gradients 1/448 flushes; unmeasured on H100)
     loss_chunk: int = 0  # training loss over the lm_head this many positions at a time, never holding all fp32 logits (ours; 0: at once, as the record; not with fp8)
@@ -1153,12 +1185,17 @@ PRESETS = {
         seq_len=1024,
         val_seq_len=1024,
         batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024
-        align_to_bos=False,  # documents are whole plays: aligned sequences would skip most tokens
+        packed_doc_len=0,  # documents are whole plays: clipped ones would skip most tokens
         num_iterations=260,
         cooldown_frac=1.0,  # lr decays from the first step: lower losses than 0.6-0.9
         val_loss_every=0,  # a validation costs as much as dozens of steps: only at the end
         train_loss_every=1,
-        window_tokens=1024,
+        window_stages=(2, 4, 8, 16, 32),  # 64 to 1024 tokens: 128-token units start too wide for 260 steps
+        final_window=32,
+        window_unit=32,  # (records/track_cpu/README.md)
+        first_layer_mlp=True,  # the record's MLP-free layer 0 is unmeasured alone at this size
+        attention_scale=0.12,
+        attention_scale_growth=0.0,  # constant: the record's growth gave higher losses here
         num_layers=4,
         num_heads=1,
         head_dim=128,
@@ -1197,6 +1234,11 @@ RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "
 
 def _convert(field: dataclasses.Field, text: str):
     kind = field.type if isinstance(field.type, type) else type(field.default)
+    if kind is tuple:
+        try:
+            return tuple(int(item) for item in text.split(","))
+        except ValueError:
+            raise ConfigError(f"--{field.name}={text}: expected integers separated by commas") from None
     if kind is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -1268,6 +1310,11 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
+    if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
+        raise ConfigError(f"window_stages={','.join(map(str, args.window_stages))}, final_window={args.final_window} and "
+                          f"window_unit={args.window_unit} must be at least 1")
+    if args.packed_doc_len < 0:
+        raise ConfigError(f"packed_doc_len={args.packed_doc_len} must be >= 0 (0: consecutive tokens)")
 
 
 def usage() -> str:
@@ -1276,7 +1323,8 @@ def usage() -> str:
     source = inspect.getsource(Hyperparameters).splitlines()
     for f in dataclasses.fields(Hyperparameters):
         comment = next((line.split("#", 1)[1].strip() for line in source if line.strip().startswith(f"{f.name}:")), "")
-        lines.append(f"  --{f.name}={f.default!r:<40} {comment}")
+        shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else repr(f.default)  # as --key=value takes it
+        lines.append(f"  --{f.name}={shown:<40} {comment}")
     return "\n".join(lines)
 
 
@@ -1393,7 +1441,9 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                fp8_grad_scale=args.fp8_grad_scale, loss_chunk=plan.loss_chunk if plan else 0,
                embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
                value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
-               attn_gates=args.attn_gates)
+               attn_gates=args.attn_gates, first_layer_mlp=args.first_layer_mlp,
+               windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
+               attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
@@ -1430,9 +1480,20 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
     return w + (1 - w) * 0.1
 
 
-def window_blocks(step: int, args: Hyperparameters) -> int:
-    """The long window in blocks: grows linearly from one block to window_tokens (rounded up)."""
-    return max(1, math.ceil(args.window_tokens * step / args.num_iterations / BLOCK_SIZE))
+def window_at(step: int, args: Hyperparameters) -> int:
+    """The long window in window units: window_stages in equal parts of the run, final_window for the last validation."""
+    if step == args.num_iterations:
+        return args.final_window
+    return args.window_stages[len(args.window_stages) * step // (args.num_iterations + 1)]
+
+
+def move_window(model: GPT, window: int, step: int, args: Hyperparameters) -> int:
+    """The long window of step, the rotary frequencies rescaled (YaRN) when it differs from window, the
+    model's until now. Rescales compound: a model restored at step s moves through steps 0..s."""
+    new = window_at(step, args)
+    if new != window:
+        model.rotary.rescale(window, new)
+    return new
 
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
@@ -1471,17 +1532,20 @@ class Trainer:
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
-        # Every window size of the run as a device tensor, made once: one built from a Python int at
-        # each step would be a blocking host-to-device copy on CUDA.
-        self.windows = {w: torch.tensor(w, dtype=torch.int32, device=plan.device)
-                        for w in {window_blocks(step, args) for step in range(args.num_iterations + 1)}}
+        # Each window compiles graphs of its own (its masks and softmax scale are constants), as in the record: the
+        # model's for training and validation, and uncompiled, flex_attention's per mask and grad mode. Past the
+        # limit dynamo runs eagerly, and eager FlexAttention materializes every score.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   4 * len({*args.window_stages, args.final_window}))
+        self.window = window_at(0, args)
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
 
     def describe(self) -> list[str]:
         args, model, buckets = self.args, self.model, self.buckets
         lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
-                 f"attention-free layer {attention_free_layer(args.num_layers, args.value_embed_layout)}; "
+                 f"attention-free layer {attention_free_layer(args.num_layers, args.value_embed_layout)}; MLP-free layers "
+                 f"{[i for i, block in enumerate(model.blocks) if block.mlp is None]}; "
                  f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
                  f"{'on' if args.attn_gates else 'off'}; long-window layers "
                  f"{[i for i, long in enumerate(model.long_window) if long]}"]
@@ -1494,14 +1558,18 @@ class Trainer:
         else:
             lines.append("distributed: world size 1, no gradient communication")
         lines.append(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {self.world_size} ranks x "
-                     f"{self.grad_accum_steps} micro-steps")
+                     f"{self.grad_accum_steps} micro-steps; " + (f"documents packed, each clipped to {args.packed_doc_len} tokens"
+                                                                 if args.packed_doc_len else "consecutive tokens"))
+        scales = ", ".join(f"{window}: {scale:.7f}" for window, scale in model.attention_scales.items())
+        lines.append(f"windows (units of {args.window_unit} tokens; short layers half): {', '.join(map(str, args.window_stages))} "
+                     f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}")
         lines.append("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
                      if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in "
                      "another order (exact_grad_sum=false)")
         return lines
 
-    def window(self, step: int) -> Tensor:
-        return self.windows[window_blocks(step, self.args)]
+    def move_window(self, step: int):
+        self.window = move_window(self.model, self.window, step, self.args)
 
     def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One optimizer step; returns the mean training loss per token as a device tensor (no sync)."""
@@ -1509,7 +1577,7 @@ class Trainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             if self.buckets is not None:
                 self.buckets.last_micro_step = i == len(micro_batches) - 1
-            loss = self.compiled(inputs, targets, self.window(step))
+            loss = self.compiled(inputs, targets, self.window)
             # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
             (loss / self.grad_accum_steps).backward()
             total += loss.detach()
@@ -1544,7 +1612,7 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for seq in val_sequences[self.rank::self.world_size]:
             seq = seq.to(self.device, non_blocking=True)
-            total += self.compiled(seq[:-1].int(), seq[1:], self.window(step)).double()
+            total += self.compiled(seq[:-1].int(), seq[1:], self.window).double()
         self.model.train()
         if self.world_size > 1:
             dist.all_reduce(total)
@@ -1553,10 +1621,12 @@ class Trainer:
         return float(total) / len(val_sequences)
 
     def warm_up(self, first_step: int):
-        """Compile (and warm caches) on random tokens, then restore the exact state from before."""
+        """Compile (and warm caches) on random tokens, each window stage in turn (the rotary tables
+        unchanged), then restore the exact state from before."""
         saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=[o.state_dict() for o in self.optimizers]))
-        args = self.args
-        for step in range(first_step, first_step + args.warmup_steps):
+        args, window = self.args, self.window
+        for i, step in enumerate(range(first_step, first_step + args.warmup_steps)):
+            self.window = args.window_stages[i % len(args.window_stages)]
             random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device, dtype=torch.int32),
                              torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device))
                             for _ in range(self.grad_accum_steps)]
@@ -1565,6 +1635,7 @@ class Trainer:
         for optimizer, state in zip(self.optimizers, saved["optimizers"]):
             optimizer.load_state_dict(state)
         self.nonfinite_step.fill_(-1)
+        self.window = window
 
     def synchronize(self):
         if self.device.type == "cuda":
@@ -1586,6 +1657,8 @@ def restore_checkpoint(state: dict, trainer: Trainer, stream: TokenStream) -> tu
     for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
     stream.load_state_dict(state["data"])
+    for step in range(state["step"] + 1):
+        trainer.move_window(step)
     return state["step"], state["clock"]
 
 
@@ -1641,6 +1714,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
     t0 = time.perf_counter()
     for step in range(start_step, args.num_iterations + 1):
         last = step == args.num_iterations
+        trainer.move_window(step)
         if last or (args.val_loss_every and step % args.val_loss_every == 0):
             pause_clock()
             trainer.stop_if_nonfinite()
@@ -1722,7 +1796,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_ranks_agree(plan, world_size)
     # Data problems surface before anything is written.
     stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size, plan.pinned_memory,
-                         args.align_to_bos)
+                         args.packed_doc_len)
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
     if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()

@@ -24,9 +24,10 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
                       "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
-    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2025-08-23 record (SparseAttnGate) "
-                                          "computes: val 3.2772 at step 1695 after 168.9 s of training on 8xH100 in its "
+    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2025-09-10 record (Yarn) "
+                                          "computes: val 3.2785 at step 1670 after 159.3 s of training on 8xH100 in its "
                                           "published log, unmeasured by us.")
+    assert "windows of 128, 129, 334, 384 tokens at scales 0.1000" in rows["flex forward"]
     assert proc.stdout.splitlines()[-1] == "4 passed, 0 failed, 2 skipped"
     assert proc.returncode == 0
 
@@ -45,6 +46,15 @@ def test_a_wrong_fp8_result_fails(monkeypatch):
     monkeypatch.setattr(train_gpt, "fp8_mm", lambda x, w, *scales: (real(x, w, *scales)[0] * 1.2,))
     with pytest.raises(AssertionError, match=r"relative error out 0\.2"):
         gpu_check.check_fp8(torch.device("cpu"), 64, 64, 256)
+
+
+def test_a_wrong_flex_result_fails(monkeypatch):
+    """FlexAttention against a dense mask whose window holds one key more per query."""
+    real = train_gpt.attention_mask
+    monkeypatch.setattr(train_gpt, "attention_mask", lambda tokens, window, backend, *rest:
+                        real(tokens, window + 1 if backend == "sdpa" else window, backend, *rest))
+    with pytest.raises(AssertionError, match="relative error"):
+        gpu_check.check_flex(torch.device("cpu"), 256, backward=False, heads=1, head_dim=32, stages=1)
 
 
 def test_a_torch_that_differs_from_the_pin_fails(monkeypatch):

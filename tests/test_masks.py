@@ -1,6 +1,8 @@
-"""Document-causal sliding-window attention masks: the dense SDPA masks and FlexAttention's
-BlockMasks against a reference written from the rules in DESIGN.md, not from the code."""
+"""Document-causal sliding-window attention masks, windows in tokens: the dense SDPA masks and
+FlexAttention's BlockMasks against a plain per-query loop written from the rule, not from the code:
+query q sees key k when k <= q, q - k <= window and both are in one document (each starts at EOT)."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -14,7 +16,10 @@ from torch.nn.attention.flex_attention import flex_attention
 import train_gpt
 
 EOT, BLOCK, SCALE = 50256, 128, 0.12
-WINDOWS = [1, 2, 3, 5, 8, 100]
+T = 768  # 6 blocks
+# no window, one key back, ends just inside, at and past a block edge, in the middle of a block, three
+# blocks exactly, and longer than the sequence
+WINDOWS = [0, 1, 127, 128, 129, 300, 384, 1000]
 
 
 def make_tokens(kind, T, seed):
@@ -29,162 +34,186 @@ def make_tokens(kind, T, seed):
         tokens[torch.arange(0, T, BLOCK)[torch.rand(T // BLOCK, generator=g) < 0.6]] = EOT
     elif kind == "before_edges":  # documents start on the last token of blocks
         tokens[torch.arange(BLOCK - 1, T, BLOCK)[torch.rand(T // BLOCK, generator=g) < 0.6]] = EOT
-    elif kind == "at_zero":
-        tokens[0] = EOT
-        tokens[T // 2 + 7] = EOT
+    elif kind == "long_document":  # short documents straddling block edges around one of 4+ blocks (100..649)
+        tokens[[0, 40, 100, 650, 700]] = EOT
     else:
         assert kind == "none"
     return tokens
 
 
-TOKEN_KINDS = ["none", "few", "many", "block_edges", "before_edges", "at_zero"]
+TOKEN_KINDS = ["none", "few", "many", "block_edges", "before_edges", "long_document"]
 
 
-def document_causal(tokens):
-    """(T, T) pairs allowed by causality and document membership alone; doc id = running EOT count."""
-    doc = torch.cumsum(tokens == EOT, 0)
-    pos = torch.arange(len(tokens))
-    return (pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None])
+def per_query_loop(tokens, window):
+    """(T, T) booleans from a loop over each query's keys."""
+    doc, docs = 0, []
+    for token in tokens.tolist():
+        doc += token == EOT
+        docs.append(doc)
+    rows = []
+    for q in range(len(docs)):
+        row = [False] * len(docs)
+        for k in range(max(0, q - window), q + 1):
+            row[k] = docs[k] == docs[q]
+        rows.append(row)
+    return torch.tensor(rows)
 
 
-def reference_mask(tokens, window):
-    """Brute force from the rules: blocks of 128; a block (i, j) is full when all of its pairs are
-    document-causal, partial when some but not all are. Query block i keeps its newest window - 1
-    full blocks and its newest max(window - #full, 1) partial blocks; inside kept blocks the
-    document-causal rule still decides each pair."""
-    T = len(tokens)
-    nb = T // BLOCK
-    pairs = document_causal(tokens)
-    per_block = pairs.view(nb, BLOCK, nb, BLOCK)
-    any_pair, all_pairs = per_block.any(3).any(1), per_block.all(3).all(1)
-    kept = torch.zeros(nb, nb, dtype=torch.bool)
-    for i in range(nb):
-        full = [j for j in range(nb) if all_pairs[i, j]]
-        partial = [j for j in range(nb) if any_pair[i, j] and not all_pairs[i, j]]
-        for j in sorted(full, reverse=True)[:window - 1]:
-            kept[i, j] = True
-        for j in sorted(partial, reverse=True)[:max(window - len(full), 1)]:
-            kept[i, j] = True
-    query_block, key_block = torch.arange(T)[:, None] // BLOCK, torch.arange(T)[None, :] // BLOCK
-    return kept[query_block, key_block] & pairs
+@functools.cache
+def tokens_of(kind):
+    return make_tokens(kind, T, seed=0)
+
+
+@functools.cache
+def loop_mask(kind, window):
+    return per_query_loop(tokens_of(kind), window)
+
+
+def test_the_loop_itself():
+    """The reference on a hand-made case: documents at 0 and 3 of 6 tokens, window 1."""
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [0, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0],
+                             [0, 0, 0, 1, 1, 0],
+                             [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(per_query_loop(torch.tensor([EOT, 5, 6, EOT, 7, 8]), 1), expected)
+
+
+@pytest.mark.parametrize("kind", TOKEN_KINDS)
+def test_dense_mask_equals_the_loop(kind):
+    for window in WINDOWS:
+        mask = train_gpt.attention_mask(tokens_of(kind), window, "sdpa")
+        assert mask.dtype == torch.bool and mask.shape == (T, T)
+        assert torch.equal(mask, loop_mask(kind, window)), (kind, window)
+
+
+def test_dense_rows_from_first_query_are_the_last_rows():
+    """Generation's hook: the rows of the queries from first_query on, against every key."""
+    for first_query in (0, 1, 300, T - 1):
+        rows = train_gpt.attention_mask(tokens_of("many"), 129, "sdpa", first_query=first_query)
+        assert torch.equal(rows, loop_mask("many", 129)[first_query:])
+
+
+def visited_pairs(block_mask):
+    """The (T, T) pairs FlexAttention computes with a BlockMask: every pair of each query block's full
+    key blocks, and the pairs of its partial key blocks that the mask_mod allows. Also checks that no
+    key block is listed as both, which would count its keys twice."""
+    num_blocks = block_mask.kv_num_blocks.size(-1)
+    visited = torch.zeros(num_blocks * BLOCK, num_blocks * BLOCK, dtype=torch.bool)
+    full_blocks = torch.zeros(num_blocks, num_blocks, dtype=torch.bool)
+    for i in range(num_blocks):
+        queries = torch.arange(i * BLOCK, (i + 1) * BLOCK)
+        partial = block_mask.kv_indices[0, 0, i, :block_mask.kv_num_blocks[0, 0, i]].tolist()
+        full = block_mask.full_kv_indices[0, 0, i, :block_mask.full_kv_num_blocks[0, 0, i]].tolist()
+        assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
+        for j in full:
+            visited[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = True
+            full_blocks[i, j] = True
+        for j in partial:
+            keys = torch.arange(j * BLOCK, (j + 1) * BLOCK)
+            visited[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = block_mask.mask_mod(0, 0, queries[:, None], keys[None, :])
+    return visited, full_blocks
+
+
+@pytest.mark.parametrize("kind", TOKEN_KINDS)
+def test_block_mask_visits_exactly_the_loops_pairs(kind):
+    """And a key block is full exactly when the loop allows every pair in it."""
+    for window in WINDOWS:
+        visited, full_blocks = visited_pairs(train_gpt.attention_mask(tokens_of(kind), window, "flex"))
+        expected = loop_mask(kind, window)
+        assert torch.equal(visited, expected), (kind, window)
+        all_pairs = expected.view(T // BLOCK, BLOCK, T // BLOCK, BLOCK).all(3).all(1)
+        assert torch.equal(full_blocks, all_pairs), (kind, window)
+
+
+def test_long_and_short_masks():
+    """attention_masks(): the long window is window_blocks blocks of tokens, the short one half as many
+    blocks rounded down; 0 blocks leave each query its own key alone."""
+    tokens = tokens_of("long_document")
+    for window_blocks, short_tokens in [(1, 0), (3, 128), (7, 384)]:
+        for backend in ("sdpa", "flex"):
+            long, short = train_gpt.attention_masks(tokens, window_blocks, backend)
+            if backend == "flex":
+                long, short = visited_pairs(long)[0], visited_pairs(short)[0]
+            assert torch.equal(long, loop_mask("long_document", window_blocks * BLOCK))
+            assert torch.equal(short, loop_mask("long_document", short_tokens))
+    assert torch.equal(loop_mask("long_document", 0), torch.eye(T, dtype=torch.bool))
+    # in units of another size (window_unit): 5 units of 24 tokens, the short window 2 of them
+    long, short = train_gpt.attention_masks(tokens, 5, "sdpa", unit=24)
+    assert torch.equal(long, loop_mask("long_document", 120)) and torch.equal(short, loop_mask("long_document", 48))
 
 
 def reference_attention(q, k, v, mask):
-    """Softmax over the allowed keys only, with the record's fixed scale, in float64."""
+    """Softmax over the allowed keys only, with a fixed scale, in float64."""
     scores = (q.double() @ k.double().transpose(-1, -2)) * SCALE
     scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v.double()).float()
 
 
-@pytest.mark.parametrize("T", [256, 1024])
-@pytest.mark.parametrize("kind", TOKEN_KINDS)
-def test_sdpa_masks_match_the_rules(T, kind):
-    """Long and short (half, at least 1 block) dense masks equal the reference pair for pair."""
-    torch.manual_seed(0)
-    for seed in range(2):
-        tokens = make_tokens(kind, T, seed)
-        for window in WINDOWS:
-            long, short = train_gpt.attention_masks(tokens, window, "sdpa")
-            assert long.dtype == torch.bool and long.shape == (T, T)
-            assert torch.equal(long, reference_mask(tokens, window)), (kind, seed, window)
-            assert torch.equal(short, reference_mask(tokens, max(window // 2, 1))), (kind, seed, window)
+HEADS, HEAD_DIM = 2, 16
 
 
-def test_window_tensor_gives_the_same_masks():
-    """Training passes the window as an int32 tensor (no recompiles); it must act like the int."""
-    tokens = make_tokens("many", 1024, 3)
-    for window in [1, 4, 7]:
-        as_int = train_gpt.attention_masks(tokens, window, "sdpa")
-        as_tensor = train_gpt.attention_masks(tokens, torch.tensor(window, dtype=torch.int32), "sdpa")
-        assert all(torch.equal(a, b) for a, b in zip(as_int, as_tensor))
-
-
-@pytest.mark.parametrize("kind", TOKEN_KINDS)
-def test_full_window_is_document_causal(kind):
-    """With at least as many window blocks as the sequence has, nothing is windowed away."""
-    tokens = make_tokens(kind, 1024, 1)
-    for window in [8, 16, 100]:
-        long, short = train_gpt.attention_masks(tokens, window, "sdpa")
-        assert torch.equal(long, document_causal(tokens))
-        if window // 2 >= 8:
-            assert torch.equal(short, document_causal(tokens))
-
-
-def test_window_actually_limits():
-    """A single document with window 1 keeps only the diagonal block (no earlier tokens)."""
-    tokens = make_tokens("none", 512, 0)
-    long, _ = train_gpt.attention_masks(tokens, 1, "sdpa")
-    blocks = torch.arange(512) // BLOCK
-    assert torch.equal(long, document_causal(tokens) & (blocks[:, None] == blocks[None, :]))
-
-
-T_FLEX, HEADS, HEAD_DIM = 1024, 2, 16
+def random_qkv(seed, T=T):
+    torch.manual_seed(seed)
+    return [torch.randn(1, HEADS, T, HEAD_DIM) for _ in range(3)]
 
 
 @pytest.fixture(scope="module")
 def compiled_flex():
-    """Builds the BlockMasks inside the compiled function: FlexAttention's eager CPU path ignores the
-    block counts, and a BlockMask built outside a compiled flex_attention is not supported here."""
+    """Builds the BlockMask inside the compiled function, as training does (FlexAttention's eager CPU
+    path applies the mask_mod to every pair and ignores the block lists). The window is a tensor, so
+    that one graph serves every window; an int, as in training, compiles one per window."""
 
     @torch.compile(dynamic=False)
     def attend(q, k, v, tokens, window):
-        long, short = train_gpt.attention_masks(tokens, window, "flex")
-        return flex_attention(q, k, v, block_mask=long, scale=SCALE), flex_attention(q, k, v, block_mask=short, scale=SCALE)
+        return flex_attention(q, k, v, block_mask=train_gpt.attention_mask(tokens, window, "flex"), scale=SCALE)
 
     return attend
 
 
-def random_qkv(seed):
-    torch.manual_seed(seed)
-    return [torch.randn(1, HEADS, T_FLEX, HEAD_DIM) for _ in range(3)]
-
-
-@pytest.mark.parametrize("kind", ["none", "many", "block_edges", "at_zero"])
-def test_flex_sdpa_and_reference_attention_agree(compiled_flex, kind):
-    """Compiled FlexAttention, SDPA with the dense masks, and brute-force attention over the
-    reference mask give the same outputs (fp32, 1e-5), for several windows."""
+@pytest.mark.parametrize("kind", ["many", "long_document"])
+def test_compiled_flex_sdpa_and_reference_attention_agree(compiled_flex, kind):
+    """Compiled FlexAttention, SDPA with the dense mask, and float64 attention over the loop's mask
+    give the same outputs (fp32, 1e-5), for windows that are and are not whole blocks."""
     q, k, v = random_qkv(1)
-    tokens = make_tokens(kind, T_FLEX, 4)
-    for window in [1, 3, 8]:
-        flex = compiled_flex(q, k, v, tokens, torch.tensor(window, dtype=torch.int32))
-        masks = train_gpt.attention_masks(tokens, window, "sdpa")
-        for w, out, mask in zip((window, max(window // 2, 1)), flex, masks):
-            sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE)
-            reference = reference_attention(q, k, v, reference_mask(tokens, w))
-            torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=0)
-            torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+    tokens = tokens_of(kind)
+    for window in [129, 300, 384]:
+        flex = compiled_flex(q, k, v, tokens, torch.tensor(window))
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=train_gpt.attention_mask(tokens, window, "sdpa"),
+                                              scale=SCALE)
+        reference = reference_attention(q, k, v, loop_mask(kind, window))
+        torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=0)
+        torch.testing.assert_close(flex, reference, atol=1e-5, rtol=0)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_eager_flex_ignores_the_window():
-    """Why the tests compile: on CPU, eager flex_attention with the window-1 BlockMask of a single
-    document attends to every earlier token, unlike the windowed mask."""
+def test_eager_flex_applies_the_whole_rule():
+    """The mask_mod holds the whole rule (the block lists only skip work): eager flex_attention, which
+    on CPU applies it to every pair, gives the windowed attention too, for a window inside a block."""
     q, k, v = random_qkv(2)
-    tokens = make_tokens("none", T_FLEX, 0)
-    long, _ = train_gpt.attention_masks(tokens, 1, "flex")
-    eager = flex_attention(q, k, v, block_mask=long, scale=SCALE)
-    windowed = reference_attention(q, k, v, reference_mask(tokens, 1))
-    unwindowed = reference_attention(q, k, v, document_causal(tokens))
-    assert (eager - windowed).abs().max() > 1e-2
-    torch.testing.assert_close(eager, unwindowed, atol=1e-5, rtol=0)
+    eager = flex_attention(q, k, v, block_mask=train_gpt.attention_mask(tokens_of("none"), 300, "flex"), scale=SCALE)
+    windowed = reference_attention(q, k, v, loop_mask("none", 300))
+    unwindowed = reference_attention(q, k, v, loop_mask("none", T))
+    torch.testing.assert_close(eager, windowed, atol=1e-5, rtol=0)
+    assert (eager - unwindowed).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("queries", [slice(0, 640), slice(64, 640), slice(639, 640)])
 def test_attend_in_query_blocks_matches_the_reference(queries):
     """attend() runs dense-mask SDPA SDPA_QUERY_BLOCK queries at a time against the keys up to each
-    block's last query: outputs and gradients equal float64 attention over the reference mask, for all
+    block's last query: outputs and gradients equal float64 attention over the loop's mask, for all
     640 positions (three blocks, the last part-full), for the last 576 against all keys (as a KV
     cache's new positions: three blocks after 64 cached keys) and for the last one alone."""
     assert train_gpt.SDPA_QUERY_BLOCK == 256
-    tokens = make_tokens("many", 640, 5)
     torch.manual_seed(5)
     q = torch.randn(1, 2, 640, 32)[:, :, queries].requires_grad_()
     k, v = (torch.randn(1, 2, 640, 32, requires_grad=True) for _ in range(2))
     probe = torch.randn(1, 2, q.size(2), 32)
-    for mask, window in zip(train_gpt.attention_masks(tokens, 3, "sdpa"), (3, 1)):
-        mask = mask[queries]  # the selected queries' rows, against every key up to the last of them
+    for window in (300, 128):
+        mask = train_gpt.attention_mask(tokens_of("many")[:640], window, "sdpa")[queries]
         out = train_gpt.attend(q, k, v, mask, SCALE)
-        reference = reference_attention(q, k, v, reference_mask(tokens, window)[queries])
+        reference = reference_attention(q, k, v, loop_mask("many", window)[:640, :640][queries])
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
         grads = torch.autograd.grad((out * probe).sum(), (q, k, v))
         reference_grads = torch.autograd.grad((reference * probe).sum(), (q, k, v))

@@ -1,10 +1,11 @@
-"""The GPT: layer layout rules, U-net wiring, initialization, rotary, gradients, backends, and the
-gradient-ready order that GradientBuckets relies on."""
+"""The GPT: layer layout rules, U-net wiring, initialization, rotary and its YaRN rescale, gradients,
+backends, and the gradient-ready order that GradientBuckets relies on."""
 
 import copy
 import dataclasses
 import math
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -17,13 +18,15 @@ import train_gpt
 EOT = 50256
 VOCAB = 50257  # the real vocabulary, so EOT (50256) can start documents
 T = 512  # 4 blocks of 128
+WINDOWS = (1, 2, 4)  # the long windows (in blocks) the tests' models know: each has its softmax scale
 
 
-def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, loss_chunk=0):
+def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, loss_chunk=0, first_layer_mlp=False):
     """Width 32, 2 heads of 16 (a multiple of 4, as rotary needs)."""
     torch.manual_seed(seed)
     return train_gpt.GPT(vocab, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
-                         attention_backend=backend, loss_chunk=loss_chunk)
+                         attention_backend=backend, loss_chunk=loss_chunk, first_layer_mlp=first_layer_mlp,
+                         windows=WINDOWS)
 
 
 def randomize_(model, seed=1):
@@ -93,7 +96,8 @@ def test_gpt_structure(depth):
 def test_unet_wiring(depth):
     """Observed with hooks on every block: encoder layers chain; decoder layer i's input is layer i-1's
     output plus skip_weights[i - depth//2] times encoder layer (depth-1-i)'s output and no other; each
-    layer gets its value-embedding table (or none) and its long or short mask."""
+    layer gets its value-embedding table (or none), its long or short mask, the one rotary and the
+    window's softmax scale."""
     model = randomize_(tiny_gpt(depth))
     L = depth
     inputs, outputs = {}, {}
@@ -108,7 +112,8 @@ def test_unet_wiring(depth):
         long, short = train_gpt.attention_masks(tokens, window, "sdpa")
         skip = model.scalars[:L // 2]
         for i in range(L):
-            x, block_x0, ve, mask = inputs[i][:4]
+            x, block_x0, ve, _, _, mask, rotary, scale = inputs[i][:8]
+            assert rotary is model.rotary and scale == model.attention_scales[window]
             torch.testing.assert_close(block_x0, x0, atol=0, rtol=0)
             table = LAYOUTS[L]["ve"][i]
             if table is None:
@@ -130,13 +135,14 @@ def test_zero_init_gives_uniform_logits():
     """Attention and MLP output projections and the lm_head start at zero, so every logit is
     30 * sigmoid(0) = 15 and the loss is exactly ln(50304) (fp32), in both train (sum) and eval (mean)."""
     model = tiny_gpt()
-    for block in model.blocks:
+    assert model.blocks[0].mlp is None  # the record's layer 0 has none
+    for block in model.blocks[1:]:
         assert block.mlp.c_proj.abs().max() == 0
         if block.attn is not None:
             assert block.attn.qkvo_w[3].abs().max() == 0
             assert block.attn.qkvo_w[:3].abs().min(dim=-1).values.max() > 0  # q, k, v are not zero
     assert model.lm_head.weight.abs().max() == 0
-    assert model.blocks[0].mlp.c_fc.abs().max() > 0
+    assert model.blocks[1].mlp.c_fc.abs().max() > 0
     tokens, targets = documents()
     with torch.no_grad():
         train_loss = model(tokens, targets, 4)
@@ -195,6 +201,70 @@ def test_rotary_dot_product_depends_only_on_offset():
     assert abs(dot(5, 2) - dot(9, 2)) > 1e-3  # but it does depend on the offset
 
 
+def yarn_by_hand(head_dim, changes, unit=128):
+    """The rotary frequencies in float64 from the formulas: (1/1024)^(k / (D/4 - 1)) for k < D/4, then D/4
+    zeros; at each window change old -> new (in units of unit tokens), f turns unit old f / (2 pi) times
+    over the old window, w = clamp((turns - 1) / 31, 0, 1), and f becomes f (s + w (1 - s)) with s = old / new."""
+    quarter = head_dim // 4
+    freqs = [(1 / 1024) ** (k / (quarter - 1)) for k in range(quarter)] + [0.0] * quarter
+    for old, new in changes:
+        s = old / new
+        for i, f in enumerate(freqs):
+            w = min(max((unit * old * f / (2 * math.pi) - 1) / 31, 0.0), 1.0)
+            freqs[i] = f * (s + w * (1 - s))
+    return torch.tensor(freqs, dtype=torch.float64)
+
+
+RECORD_CHANGES = [(3, 7), (7, 11), (11, 13)]
+
+
+def test_yarn_rescale_follows_the_formula_and_rebuilds_the_tables():
+    """After the record's three window changes: the frequencies equal the float64 formula to float32
+    rounding (some slowed by 3/13 in all, the fastest unchanged, the rest between); cos and sin equal
+    those of position x frequency (the angle's float32 rounding, up to 1024 x 2^-24 rad, allowed); the
+    frequency-zero half stays zero, its cos 1 and its sin 0."""
+    rotary = train_gpt.Rotary(128, max_seq_len=1024)
+    base = rotary.freqs.clone()
+    torch.testing.assert_close(base.double(), yarn_by_hand(128, []), rtol=1e-6, atol=0)
+    for old, new in RECORD_CHANGES:
+        rotary.rescale(old, new)
+    expected = yarn_by_hand(128, RECORD_CHANGES)
+    assert rotary.freqs.dtype == torch.float32 and rotary.freqs.device.type == "cpu"
+    torch.testing.assert_close(rotary.freqs.double(), expected, rtol=2e-6, atol=0)
+    ratio = (rotary.freqs / base)[:32]
+    assert ratio[0] == 1 and ratio[-1] == pytest.approx(3 / 13, rel=1e-6) and ((ratio > 3 / 13) & (ratio < 1)).any()
+    assert not rotary.freqs[32:].any()
+    angles = torch.outer(torch.arange(1024, dtype=torch.float64), rotary.freqs.double())
+    torch.testing.assert_close(rotary.cos.double(), angles.cos(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(rotary.sin.double(), angles.sin(), rtol=0, atol=1e-4)
+    assert (rotary.cos[:, 32:] == 1).all() and (rotary.sin[:, 32:] == 0).all()
+    # windows in units of 32 tokens turn each frequency a quarter as often over the old window
+    small = train_gpt.Rotary(128, max_seq_len=16, window_unit=32)
+    for old, new in RECORD_CHANGES:
+        small.rescale(old, new)
+    torch.testing.assert_close(small.freqs.double(), yarn_by_hand(128, RECORD_CHANGES, unit=32), rtol=2e-6, atol=0)
+    assert not torch.equal(small.freqs, rotary.freqs)
+    # the tables moved: the unscaled ones are far from these
+    assert (train_gpt.Rotary(128, max_seq_len=1024).cos - rotary.cos).abs().max() > 0.5
+
+
+def test_rotary_without_rescale_keeps_the_base_frequencies():
+    """A model's rotary starts at the base frequencies, and a window that does not change leaves them
+    (and the tables) as they were, bit for bit."""
+    args = train_gpt.Hyperparameters(num_layers=2, model_dim=32, num_heads=2, head_dim=16, window_stages=(2, 2, 4),
+                                     final_window=4, num_iterations=8)
+    model = train_gpt.build_model(args, T)
+    torch.testing.assert_close(model.rotary.freqs.double(), yarn_by_hand(16, []), rtol=1e-6, atol=0)
+    freqs, cos = model.rotary.freqs.clone(), model.rotary.cos.clone()
+    window = train_gpt.window_at(0, args)
+    for step in range(6):  # the first two stages, both of window 2
+        window = train_gpt.move_window(model, window, step, args)
+        assert window == 2
+    assert torch.equal(model.rotary.freqs, freqs) and torch.equal(model.rotary.cos, cos)
+    assert train_gpt.move_window(model, window, 6, args) == 4
+    torch.testing.assert_close(model.rotary.freqs.double(), yarn_by_hand(16, [(2, 4)]), rtol=2e-6, atol=0)
+
+
 def expected_nonzero_scalar_grads(L):
     """Skip weights and block lambdas always matter; attention lambda 0 (v) only with attention,
     lambda 1 (value embedding) only with attention and a value embedding."""
@@ -232,35 +302,45 @@ def test_bf16_embeddings_path():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def long_document():
+    """documents(3) with two of its document starts removed: documents at 0..99 and 100..511."""
+    tokens, targets = documents(3)
+    tokens = tokens.clone()
+    tokens[[230, 300]] = 1
+    return tokens, targets
+
+
 def test_compiled_flex_model_matches_sdpa():
-    """The flex backend under torch.compile (BlockMasks built inside the graph) gives the SDPA
-    backend's training loss for the same weights and a multi-document sequence (fp32)."""
+    """The flex backend under torch.compile (BlockMasks built inside the graph, the window an int as in
+    training) gives the SDPA backend's training loss for the same weights (fp32), on a document longer
+    than both windows: a window of 2 blocks cuts the long layers' keys (256) and the short ones' (128)."""
     sdpa = randomize_(tiny_gpt(backend="sdpa"))
     flex = tiny_gpt(backend="flex")
     flex.load_state_dict(sdpa.state_dict())
     compiled = torch.compile(flex, dynamic=False)
-    tokens, targets = documents(3)
-    losses = {}
+    tokens, targets = long_document()
     with torch.no_grad():
-        for window in [1, 4]:  # long 1 and short 1 blocks; long 4 (all) and short 2
-            w = torch.tensor(window, dtype=torch.int32)
-            losses[window] = (sdpa(tokens, targets, w) / T).item()
-            assert (compiled(tokens, targets, w) / T).item() == pytest.approx(losses[window], abs=1e-4)
-    assert abs(losses[1] - losses[4]) > 5e-3  # measured 1.1e-2: a wrong window would show
+        loss = (sdpa(tokens, targets, 2) / T).item()
+        assert (compiled(tokens, targets, 2) / T).item() == pytest.approx(loss, abs=1e-4)
+        # the same scale without the window's cut, five times the tolerance away: a wrong window would show
+        logits = sdpa.softcapped_logits(sdpa.trunk(tokens, 2, train_gpt.attention_masks(tokens, 4, "sdpa")))
+        assert abs(torch.nn.functional.cross_entropy(logits[0], targets).item() - loss) > 5e-4
 
 
-def test_uncompiled_flex_model_compiles_the_attention_kernel_alone():
+def test_uncompiled_flex_model_compiles_the_attention_kernel_alone(monkeypatch):
     """With compile=false the flex backend still attends through FlexAttention's compiled kernel (eager
-    flex_attention would materialize every score, and on CPU ignores the window): the same losses as
-    SDPA with the dense masks, for windows smaller than the sequence."""
+    flex_attention would materialize every score, and warns that it does): the same loss as SDPA with
+    the dense masks, for a window that cuts both masks, and no such warning."""
+    import torch.nn.attention.flex_attention as flex_module
+    monkeypatch.setattr(flex_module, "_WARNINGS_SHOWN", set())  # it warns once per process
     sdpa = randomize_(tiny_gpt(backend="sdpa"))
     flex = tiny_gpt(backend="flex")
     flex.load_state_dict(sdpa.state_dict())
-    tokens, targets = documents(3)
-    with torch.no_grad():
-        for window in [1, 4]:
-            w = torch.tensor(window, dtype=torch.int32)
-            assert (flex(tokens, targets, w) / T).item() == pytest.approx((sdpa(tokens, targets, w) / T).item(), abs=1e-4)
+    tokens, targets = long_document()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert (flex(tokens, targets, 2) / T).item() == pytest.approx((sdpa(tokens, targets, 2) / T).item(), abs=1e-4)
+    assert not [w for w in caught if "without torch.compile" in str(w.message)]
 
 
 def test_gradients_become_ready_in_reversed_parameter_order():
@@ -332,7 +412,7 @@ def test_model_with_chunked_loss_trains_the_same():
     results = []
     for loss_chunk in (0, 96):
         model = randomize_(tiny_gpt(loss_chunk=loss_chunk)).train()
-        loss = model(inputs, targets, torch.tensor(4))
+        loss = model(inputs, targets, 4)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (loss0, grads0), (loss1, grads1) = results
@@ -376,64 +456,67 @@ def test_alternate_value_embedding_layout(depth):
 
 def gated_and_plain_attention(width: int, heads: int, gate: str):
     """Two attention layers with the same random weights (output projection included), one with the
-    named zero-initialized gate; and inputs x, a value embedding, a mask over documents, lambdas."""
+    named zero-initialized gate; and the rest of their arguments: a value embedding, lambdas, a mask
+    over documents, a rotary and a scale. Called with inputs x."""
     torch.manual_seed(0)
-    gated = train_gpt.CausalSelfAttention(width, heads, width // heads, T, **{gate: True})
-    plain = train_gpt.CausalSelfAttention(width, heads, width // heads, T)
+    gated = train_gpt.CausalSelfAttention(width, heads, width // heads, **{gate: True})
+    plain = train_gpt.CausalSelfAttention(width, heads, width // heads)
     plain.load_state_dict({k: v for k, v in gated.state_dict().items() if not k.startswith(gate)})
     with torch.no_grad():
         gated.qkvo_w[3].uniform_(-0.2, 0.2)
         plain.qkvo_w[3].copy_(gated.qkvo_w[3])
     x, ve = torch.randn(1, T, width), torch.randn(1, T, width)
-    mask = train_gpt.attention_masks(documents()[0], 4, "sdpa")[0]
-    return gated, plain, x, ve, mask, torch.tensor([0.7, 0.4])
+    mask = train_gpt.attention_mask(documents()[0], 300, "sdpa")
+    rest = (torch.tensor([0.7, 0.4]), mask, train_gpt.Rotary(width // heads, T), 0.12)
+    return gated, plain, x, ve, rest
 
 
 def test_value_embedding_gate_scales_each_head_by_2_sigmoid():
     """A gated attention layer equals an ungated one (same weights) whose value embedding was multiplied,
     per position and head, by 2 sigmoid(w . x[:12]) computed here; at the zero init the gate is 1."""
-    gated, plain, x, ve, mask, lambdas = gated_and_plain_attention(32, 2, "ve_gate")
+    gated, plain, x, ve, rest = gated_and_plain_attention(32, 2, "ve_gate")
     with torch.no_grad():
-        torch.testing.assert_close(gated(x, ve, lambdas, mask), plain(x, ve, lambdas, mask), atol=0, rtol=0)
+        torch.testing.assert_close(gated(x, ve, *rest), plain(x, ve, *rest), atol=0, rtol=0)
         gated.ve_gate.weight.normal_()
         w = gated.ve_gate.weight  # (heads, 12)
         gate = 2 / (1 + torch.exp(-(x[0, :, :12] @ w.T)))  # (T, heads)
-        expected = plain(x, (ve.view(1, T, 2, 16) * gate[None, :, :, None]).view(1, T, 32), lambdas, mask)
-        torch.testing.assert_close(gated(x, ve, lambdas, mask), expected, atol=1e-5, rtol=1e-5)
+        expected = plain(x, (ve.view(1, T, 2, 16) * gate[None, :, :, None]).view(1, T, 32), *rest)
+        torch.testing.assert_close(gated(x, ve, *rest), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projection():
-    """Width 128, 2 heads: the gate reads x[:2] (128 // 64). A gated layer equals the ungated one (same
-    weights) whose per-head attention output, read through an identity output projection, is multiplied
-    by sigmoid(w . x[:2]) computed here, then projected; at the zero init every gate is exactly 1/2."""
-    gated, plain, x, ve, mask, lambdas = gated_and_plain_attention(128, 2, "attn_gate")
-    assert gated.attn_gate.weight.shape == (2, 2) and not gated.attn_gate.weight.any()
+    """Width 128, 2 heads: the gate reads x[:12] (12 at any width from the 2025-09-10 record on). A gated
+    layer equals the ungated one (same weights) whose per-head attention output, read through an
+    identity output projection, is multiplied by sigmoid(w . x[:12]) computed here, then projected; at
+    the zero init every gate is exactly 1/2."""
+    gated, plain, x, ve, rest = gated_and_plain_attention(128, 2, "attn_gate")
+    assert gated.attn_gate.weight.shape == (2, 12) and not gated.attn_gate.weight.any()
     with torch.no_grad():
-        torch.testing.assert_close(gated(x, ve, lambdas, mask), 0.5 * plain(x, ve, lambdas, mask), atol=0, rtol=0)
+        torch.testing.assert_close(gated(x, ve, *rest), 0.5 * plain(x, ve, *rest), atol=0, rtol=0)
         gated.attn_gate.weight.normal_()
         w_o = plain.qkvo_w[3].clone()
         plain.qkvo_w[3].copy_(torch.eye(128))
-        heads = plain(x, ve, lambdas, mask).view(1, T, 2, 64)  # the attention output per head, unprojected
-        gate = 1 / (1 + torch.exp(-(x[0, :, :2] @ gated.attn_gate.weight.T)))  # (T, heads)
+        heads = plain(x, ve, *rest).view(1, T, 2, 64)  # the attention output per head, unprojected
+        gate = 1 / (1 + torch.exp(-(x[0, :, :12] @ gated.attn_gate.weight.T)))  # (T, heads)
         expected = (heads * gate[None, :, :, None]).view(1, T, 128) @ w_o.T
-        torch.testing.assert_close(gated(x, ve, lambdas, mask), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gated(x, ve, *rest), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_gates_train_with_muon_and_draw_before_being_zeroed():
-    """The record's gates are Muon matrices (6 x 12 at width 768); each is drawn (then zeroed), so the
-    model with gates draws its later weights from a later point of the random stream."""
+    """The record's gates are Muon matrices (6 x 12 at width 768, 2 x 12 here); each is drawn (then
+    zeroed), so the model with gates draws its later weights from a later point of the random stream."""
     args = train_gpt.Hyperparameters(num_layers=4, model_dim=128, num_heads=2, head_dim=64)
     assert args.attn_gates  # the record's default
     torch.manual_seed(0)
     model = train_gpt.build_model(args, T)
     adam, muon = train_gpt.build_optimizers(model, args)
     gates = [block.attn.attn_gate.weight for block in model.blocks if block.attn is not None]
-    assert len(gates) == 3 and all(g.shape == (2, 2) and not g.any() for g in gates)
+    assert len(gates) == 3 and all(g.shape == (2, 12) and not g.any() for g in gates)
     assert {id(g) for g in gates} <= {id(p) for group in muon.param_groups for p in group["params"]}
     torch.manual_seed(0)
     ungated = train_gpt.build_model(dataclasses.replace(args, attn_gates=False), T)
     assert torch.equal(model.blocks[0].attn.qkvo_w, ungated.blocks[0].attn.qkvo_w)  # drawn before the gate
-    assert not torch.equal(model.blocks[0].mlp.c_fc, ungated.blocks[0].mlp.c_fc)  # drawn after it
+    assert not torch.equal(model.blocks[1].attn.qkvo_w, ungated.blocks[1].attn.qkvo_w)  # drawn after it
 
 
 def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
@@ -446,3 +529,28 @@ def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
     scalar_group = next(g for g in adam.param_groups if g["lr"] == args.scalar_lr)
     assert {id(p) for p in scalar_group["params"]} == gates | {id(model.scalars)}
     assert not gates & {id(p) for g in muon.param_groups for p in g["params"]}
+
+
+def test_layer_0_has_an_mlp_only_when_asked_and_the_draws_follow_the_layers():
+    """The record's layer 0 has no MLP (first_layer_mlp adds it). Both models equal a replay of the draws
+    in the documented order from the same seed: token and value embeddings, then per layer the attention
+    (q, k, v; the gates) and the MLP's up-projection where there is one; so without layer 0's MLP,
+    layer 0's attention is the same and every later draw comes earlier in the stream."""
+    models = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        models[flag] = train_gpt.GPT(VOCAB, 4, 2, 16, 32, T, attn_gates=True, first_layer_mlp=flag, windows=WINDOWS)
+    assert models[False].blocks[0].mlp is None and models[True].blocks[0].mlp is not None
+    assert all(block.mlp is not None for model in models.values() for block in model.blocks[1:])
+    free = train_gpt.attention_free_layer(4)
+    for flag, model in models.items():
+        torch.manual_seed(0)
+        for _ in range(1 + len(model.value_embeds)):
+            torch.nn.Embedding(50304, 32)
+        for i, block in enumerate(model.blocks):
+            if i != free:
+                assert torch.equal(block.attn.qkvo_w, train_gpt.CausalSelfAttention(32, 2, 16, attn_gate=True).qkvo_w), (flag, i)
+            if i > 0 or flag:
+                assert torch.equal(block.mlp.c_fc, train_gpt.MLP(32).c_fc), (flag, i)
+    assert torch.equal(models[False].blocks[0].attn.qkvo_w, models[True].blocks[0].attn.qkvo_w)
+    assert not torch.equal(models[False].blocks[1].attn.qkvo_w, models[True].blocks[1].attn.qkvo_w)

@@ -1,4 +1,4 @@
-"""Orthogonalization, Muon, and the learning-rate / momentum / window schedules."""
+"""Orthogonalization, Muon, and the learning-rate / momentum / window / attention-scale schedules."""
 
 import dataclasses
 import math
@@ -177,12 +177,12 @@ def record_muon(rank: int, world_size: int) -> train_gpt.Muon:
 
 
 def test_record_muon_work_is_balanced_over_8_ranks():
-    """Each of 8 ranks orthogonalizes its share of the record model's 46 matrices (11 q/k/v/o stacks, 11
-    attention gates, 24 MLP matrices); per-rank FLOPs
+    """Each of 8 ranks orthogonalizes its share of the record model's 44 matrices (11 q/k/v/o stacks, 11
+    attention gates, 22 MLP matrices: layer 0 has no MLP); per-rank FLOPs
     within 1.25x of each other (dealing by shape group, 11 qkv matrices over 8 ranks left 2 ranks idle)."""
     muons = [record_muon(rank, 8) for rank in range(8)]
     params = muons[0].param_groups[0]["params"]
-    assert len(params) == 46
+    assert len(params) == 44
     flops = [sum(train_gpt.orthogonalization_flops(p.shape) for p in mine) for mine in muons[0].dealt]
     print("record Muon orthogonalization GFLOPs per rank (8 ranks):", [round(f / 1e9, 1) for f in flops])
     assert max(flops) / min(flops) <= 1.25
@@ -229,10 +229,11 @@ def test_lr_multiplier(args):
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (1695 steps, cooldown 0.45: from step 932.25, so 933 is the first below 1)."""
-    values = {0: 1.0, 932: 1.0, 933: 1 - 0.9 * 0.75 / 762.75, 1695: 0.1}
+    """Spot values for the record (1670 steps, cooldown 0.5: from step 835, still 1.0 there, below 1 after)."""
+    values = {0: 1.0, 834: 1.0, 835: 1.0, 836: 1 - 0.9 / 835, 1670: 0.1}
     for step, expected in values.items():
-        assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(expected), step
+        assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(expected, abs=1e-12), step
+    assert train_gpt.lr_multiplier(836, RECORD) < 1
 
 
 def test_muon_momentum():
@@ -244,22 +245,73 @@ def test_muon_momentum():
 
 
 @pytest.mark.parametrize("args", [RECORD, CPU], ids=["record", "cpu"])
-def test_window_blocks(args):
-    """ceil(window_tokens * step / N / 128) blocks, at least 1: 1 at step 0, ceil(1728/128) = 14 at the
-    end of the record; never shrinks."""
-    N = args.num_iterations
-    values = [train_gpt.window_blocks(step, args) for step in range(N + 1)]
-    exact = [max(1, -(-args.window_tokens * step // (N * 128))) for step in range(N + 1)]
-    assert values == exact
-    assert values[0] == 1
-    assert values[-1] == math.ceil(args.window_tokens / 128)
-    assert all(a <= b for a, b in zip(values, values[1:]))
+def test_window_at(args):
+    """Stage i of k holds the steps with k * step // (N + 1) == i: steps 0..N in parts that differ by at
+    most one, the last step (the final validation only) taken from the last part for final_window."""
+    N, stages = args.num_iterations, args.window_stages
+    values = [train_gpt.window_at(step, args) for step in range(N + 1)]
+    assert values[-1] == args.final_window
+    lengths = [sum(1 for step in range(N) if len(stages) * step // (N + 1) == i) for i in range(len(stages))]
+    parts = lengths[:-1] + [lengths[-1] + 1]
+    assert max(parts) - min(parts) <= 1 and sum(lengths) == N
+    expected = [window for window, length in zip(stages, lengths) for _ in range(length)]
+    assert values[:-1] == expected
 
 
-def test_window_blocks_record():
-    assert train_gpt.window_blocks(0, RECORD) == 1
-    assert train_gpt.window_blocks(848, RECORD) == 7  # 864.5 tokens -> 6.75 blocks, rounded up
-    assert train_gpt.window_blocks(1695, RECORD) == 14
+def test_window_at_record_boundaries():
+    """3, 7, 11 over steps 0-556, 557-1113 and 1114-1669; 13 for the final validation at 1670."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1670)
+    values = {0: 3, 556: 3, 557: 7, 1113: 7, 1114: 11, 1669: 11, 1670: 13}
+    assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
+    cpu_steps = (0, 52, 53, 104, 105, 156, 157, 208, 209, 259, 260)  # 5 stages over 261 positions: 53, then 52 each
+    assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32]
+    # a case where dividing by N instead of N + 1 would show: 5 stages over 10 steps
+    short = dataclasses.replace(RECORD, num_iterations=10, window_stages=(1, 2, 3, 4, 5), final_window=6)
+    assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 6]
+
+
+def test_attention_scales_record():
+    """0.1 at the first window, then times 1 + 0.2 ln(new / previous) at each new window, by hand; the
+    published values to 7 decimals. A repeated window keeps its scale (cpu preset: 8 throughout)."""
+    scales = train_gpt.attention_scales((3, 7, 11, 13), 0.1)
+    by_hand = {3: 0.1}
+    by_hand[7] = by_hand[3] * (1 + 0.2 * math.log(7 / 3))
+    by_hand[11] = by_hand[7] * (1 + 0.2 * math.log(11 / 7))
+    by_hand[13] = by_hand[11] * (1 + 0.2 * math.log(13 / 11))
+    assert list(scales) == [3, 7, 11, 13]
+    assert scales == pytest.approx(by_hand, rel=1e-12)
+    assert {w: round(s, 7) for w, s in scales.items()} == {3: 0.1, 7: 0.1169460, 11: 0.1275175, 13: 0.1317780}
+    assert train_gpt.attention_scales((8, 8), 0.12) == {8: 0.12}
+    assert train_gpt.attention_scales((2, 2, 4, 4), 0.1) == pytest.approx({2: 0.1, 4: 0.1 * (1 + 0.2 * math.log(2))})
+    assert train_gpt.attention_scales((2, 4, 8), 0.1, growth=0.5) == pytest.approx(
+        {2: 0.1, 4: 0.1 * (1 + 0.5 * math.log(2)), 8: 0.1 * (1 + 0.5 * math.log(2)) ** 2})
+    assert train_gpt.attention_scales((2, 4, 8), 0.12, growth=0) == {2: 0.12, 4: 0.12, 8: 0.12}
+    model = train_gpt.build_model(dataclasses.replace(RECORD, num_layers=2, model_dim=64, num_heads=1, head_dim=64), 128)
+    assert model.attention_scales == scales
+
+
+class RescaleSpy:
+    """Stands in for a model: move_window touches only model.rotary.rescale."""
+
+    def __init__(self):
+        self.calls = []
+        self.rotary = self
+
+    def rescale(self, old, new):
+        self.calls.append((old, new))
+
+
+def test_move_window_rescales_only_when_the_window_changes():
+    """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
+    cpu_changes = [(53, (2, 4)), (105, (4, 8)), (157, (8, 16)), (209, (16, 32))]
+    for args, expected in ((RECORD, [(557, (3, 7)), (1114, (7, 11)), (1670, (11, 13))]), (CPU, cpu_changes)):
+        spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
+        for step in range(args.num_iterations + 1):
+            before = len(spy.calls)
+            window = train_gpt.move_window(spy, window, step, args)
+            assert window == train_gpt.window_at(step, args)
+            seen += [(step, call) for call in spy.calls[before:]]
+        assert seen == expected
 
 
 def hand_neuron_normalization(update, second_moment, beta2, per_row):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import shards  # data/shards.py, on sys.path through conftest
 from conftest import TINY_VOCAB
+
+import train_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "records.py"
@@ -456,6 +459,19 @@ def test_command_carries_the_memory_settings_a_log_reports(runs, tmp_path):
         path.write_text("".join(lines))
         command = records.command_lines([records.parse_log(path)])[1]
         assert command.startswith(launcher + " --preset cpu "), (malloc, huge, command)
+
+
+def test_command_gives_tuples_as_train_gpt_parses_them(runs, tmp_path):
+    """A log whose window stages differ from the preset's: the command passes them comma-separated,
+    and train_gpt.py reads back the logged value."""
+    text = runs["paths"]["base"].read_text()
+    assert text.count("\n  window_stages: (2, 4, 8, 16, 32)\n") == 1
+    path = tmp_path / "log.txt"
+    path.write_text(text.replace("\n  window_stages: (2, 4, 8, 16, 32)\n", "\n  window_stages: (1, 2)\n"))
+    command = shlex.split(records.command_lines([records.parse_log(path)])[1])
+    assert "--window_stages=1,2" in command
+    args, _ = train_gpt.parse_args(command[command.index("--preset"):], "record")
+    assert args.window_stages == (1, 2)
 
 
 def test_list_of_empty_records(tmp_path, capsys):

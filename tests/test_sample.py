@@ -63,8 +63,8 @@ FAST_ADAM_LRS = ["--head_lr=0.0275", "--embed_lr=0.6", "--scalar_lr=0.04"]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained 6 steps, with
-    FAST_ADAM_LRS and windows
-    of 2 blocks (long) and 1 (short) at the end; returns (checkpoint path, successor table)."""
+    FAST_ADAM_LRS and windows of 2 blocks (long) and 1 (short), validated at the end with 3 and 1 (its
+    rotary rescaled from 2 to 3); returns (checkpoint path, successor table, the run's result)."""
     folder = tmp_path_factory.mktemp("cycle")
     successor = cycle_shards(folder)
     threads = torch.get_num_threads()
@@ -72,27 +72,45 @@ def trained(tmp_path_factory):
     result = train_gpt.main([
         "--preset=cpu", "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--num_iterations=6",
-        "--window_tokens=256", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
+        "--window_stages=2", "--final_window=3", "--window_unit=128", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
         f"--train_files={folder}/cycle_train_*.bin",
         f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
         "--run_id=cycle"])
     torch.set_num_threads(threads)
     assert result["val_losses"][6] < 2.5  # learned the cycle (uniform over 64 tokens would be 4.16)
-    return result["checkpoints"][-1], successor
+    return result["checkpoints"][-1], successor, result
+
+
+def test_loaded_model_gives_the_runs_final_validation_loss(trained):
+    """load_model's model (float32, as trained) at the checkpoint's window (3) gives the validation loss
+    the run logged at its last step: its rotary was rescaled from window 2 as the run's was. With the
+    unscaled rotary tables the loss differs."""
+    checkpoint, _, result = trained
+    model, window = sample.load_model(checkpoint, torch.device("cpu"), 512, "float32")
+    assert window == 3
+    val = train_gpt.validation_sequences(str(checkpoint.parent.parent.parent / "cycle_val_*.bin"), 512, 256, 50257)
+
+    def loss():
+        with torch.no_grad():
+            return sum(model(seq[:-1].int(), seq[1:], window).item() for seq in val) / len(val)
+
+    assert loss() == pytest.approx(result["val_losses"][6], rel=1e-5, abs=0)
+    model.rotary = train_gpt.Rotary(64, model.max_seq_len)
+    assert abs(loss() - result["val_losses"][6]) > 1e-4 * result["val_losses"][6]  # ten times the tolerance
 
 
 def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
     """At every step, the cached path (one new position) and the training forward over the whole prefix
     give the same logits and the same greedy token. The prefix holds a document boundary, crosses
-    three 128-blocks and outgrows both windows (long 2 blocks, short 1)."""
-    checkpoint, successor = trained
+    three 128-blocks, and its second document outgrows both windows (long 3 blocks, short 1)."""
+    checkpoint, successor, _ = trained
     model, window = sample.load_model(checkpoint, torch.device("cpu"), 512)
-    assert window == 2
+    assert window == 3
     start = 5
     walk = [start]
-    while len(walk) < 200:
+    while len(walk) < 400:
         walk.append(int(successor[walk[-1]]))
-    prompt = [EOT, *walk[:90], EOT, *walk[90:]]  # a second document from position 91
+    prompt = [EOT, *walk[:20], EOT, *walk[20:]]  # a second document from position 21
     cache, new, sequence = sample.KVCache(model.num_layers), torch.tensor(prompt), list(prompt)
     with torch.no_grad():
         for _ in range(80):
@@ -103,11 +121,9 @@ def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
             assert top2[0] - top2[1] > 1e-2  # no near-tie that float32 rounding could flip
             sequence.append(int(full.argmax()))
             new = torch.tensor(sequence[-1:])
-        assert len(sequence) > 2 * train_gpt.BLOCK_SIZE
-        # the windows cut the prefix: another window would have given other logits
-        prefix = torch.tensor(sequence)
-        for other in (1, 4):
-            assert (sample.next_token_logits(model, prefix, other) - full).abs().max() > 1e-2
+        assert len(sequence) - 21 > 3 * train_gpt.BLOCK_SIZE + 1
+        # the windows cut the prefix: the model's other window would have given other logits
+        assert (sample.next_token_logits(model, torch.tensor(sequence), 2) - full).abs().max() > 1e-2
     generated = sequence[len(prompt):]
     assert len(set(generated)) > 10  # the model walks the cycle, not one token
     assert list(sample.generate(model, prompt, 80, window, temperature=0)) == generated
@@ -117,18 +133,19 @@ def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
 @pytest.fixture(scope="module")
 def randomized_gpt():
     """An untrained 4-layer model whose zero-initialized weights and initial scalars are replaced by
-    random ones, so every path, attention included, moves the logits."""
+    random ones, so every path, attention included, moves the logits; it knows windows of 1, 2 and 3
+    blocks."""
     torch.manual_seed(0)
-    model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512)
+    model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512, windows=(1, 2, 3))
     return randomize_(model, seed=0).eval()
 
 
 @pytest.mark.parametrize("backend", ["eager", *(pytest.param(b, marks=pytest.mark.slow) for b in ("aot_eager", "inductor"))])
 def test_compiled_generation_gives_the_eager_tokens(randomized_gpt, backend):
-    """tools/sample.py --compile: dynamo traces the cache's updates (buffers, lengths, masks made once
-    a block) into five graphs and their guards (backend eager: 10 s); aot_eager adds functionalization
-    (30 s) and inductor its kernels (a minute or more), so those two are slow. Greedy tokens through a
-    document start and three blocks equal the eager ones."""
+    """tools/sample.py --compile: dynamo traces the cache's updates (buffers, lengths, the new positions'
+    mask rows) into a few graphs and their guards; aot_eager adds functionalization and inductor its
+    kernels (a minute or more), so those two are slow. Greedy tokens through a document start and
+    three blocks equal the eager ones."""
     model = randomized_gpt
     prompt = [EOT, *range(100, 160), EOT, 7]
     eager = list(sample.generate(model, prompt, 240, 2, temperature=0))
@@ -160,20 +177,33 @@ def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomi
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(randomized_gpt, window):
     """Pieces of 1, 127, 12, 100 and 160 tokens; documents start mid-block, twice inside a block that
-    the cache already holds part of (whose earlier positions must then run again). After every piece
-    the next-token logits equal those of the forward over everything fed so far."""
+    the cache already holds part of; window 1 leaves the short layers each query's own key alone. After
+    every piece the next-token logits equal those of the forward over everything fed so far, and the
+    cached path ran each position once."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, EOT, (400,), generator=g)
     tokens[[0, 100, 230, 300]] = EOT
     model = randomized_gpt
-    cache, fed = sample.KVCache(model.num_layers), 0
-    with torch.no_grad():
-        for piece in (1, 127, 12, 100, 160):
-            cached = sample.next_token_logits(model, tokens[fed:fed + piece], window, cache)
-            fed += piece
-            assert len(cache) == fed
-            full = sample.next_token_logits(model, tokens[:fed], window)
-            torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
+    cache, fed, ran = sample.KVCache(model.num_layers), 0, []
+    trunk = model.trunk
+
+    def counted(tokens, window, masks=None, cache=None):
+        if cache is not None:
+            ran.append(tokens.numel())
+        return trunk(tokens, window, masks, cache)
+
+    model.trunk = counted
+    try:
+        with torch.no_grad():
+            for piece in (1, 127, 12, 100, 160):
+                cached = sample.next_token_logits(model, tokens[fed:fed + piece], window, cache)
+                fed += piece
+                assert len(cache) == fed
+                full = sample.next_token_logits(model, tokens[:fed], window)
+                torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
+    finally:
+        del model.trunk  # back to the class's method
+    assert ran == [1, 127, 12, 100, 160]
 
 
 def test_generation_never_picks_a_padding_row(randomized_gpt):
@@ -231,7 +261,7 @@ def validation_case(randomized_gpt):
     sequence[[0, 140, 300]] = EOT
     inputs, targets = sequence[:-1], sequence[1:]
     with torch.no_grad():
-        x = randomized_gpt.trunk(inputs, train_gpt.attention_masks(inputs, 2, "sdpa"))
+        x = randomized_gpt.trunk(inputs, 2)
         logits = 30 * torch.sigmoid(randomized_gpt.lm_head(train_gpt.norm(x[0])).float() / 7.5)
         return inputs, targets, F.cross_entropy(logits, targets).item()
 
@@ -276,7 +306,7 @@ def run_tool(*args, env=None):
 
 
 def test_the_tool_streams_the_prompt_and_what_generate_draws(trained, gpt2_ranks_file, gpt2_encoding):
-    checkpoint, _ = trained
+    checkpoint, _, _ = trained
     proc = run_tool(checkpoint, "--prompt", "To be", "--max_new_tokens", 12, "--seed", 3, "--temperature", 1.0,
                     "--top_k", 5, "--device", "cpu", env={"GPT2_TIKTOKEN_FILE": str(gpt2_ranks_file)})
     assert proc.returncode == 0, proc.stderr

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -52,13 +53,20 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert "hardware: 1x CPU" in header
     for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
-                 "  compile: off (compile=false)", "  dtype: float32", "  training loss: in chunks of 1024 positions", "  num_iterations: 2", "  seq_len: 128"):
+                 "  compile: off (compile=false)", "  dtype: float32", "  training loss: in chunks of 1024 positions", "  num_iterations: 2", "  seq_len: 128",
+                 "MLP-free layers []; ", "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
+                 "windows (units of 32 tokens; short layers half): 2, 4, 8, 16, 32 in equal parts of training, 32 for "
+                 "the final validation; softmax scale by window 2: 0.1200000, 4: 0.1200000, 8: 0.1200000, 16: 0.1200000, "
+                 "32: 0.1200000\n"):
         assert line in header, line
     assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
 
 
 def test_resume_is_bitwise_identical(tiny_shards, tmp_path):
-    common = ["--num_iterations=6", "--val_loss_every=3", "--train_loss_every=1", "--save_checkpoint"]
+    """Through a window change at every step from step 2: the resumed run must replay the rescales of
+    steps 2 and 3 (one rescale from 1 to 3 is another rotary) and go on with the rest."""
+    common = ["--num_iterations=6", "--val_loss_every=3", "--train_loss_every=1", "--save_checkpoint",
+              "--window_stages=1,2,3,4,5,6", "--final_window=7"]
     full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=3", run_id="full")
     halfway = tmp_path / "ckpt" / "full" / "step_000003.pt"
     assert halfway in full["checkpoints"] and halfway.exists()
@@ -78,6 +86,26 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path):
     assert not steady_line.search(Path(resumed["log_path"]).read_text())
 
 
+def test_restore_replays_every_window_change_up_to_its_step():
+    """restore_checkpoint moves the window through steps 0..s, so rescales compound as in the run that
+    stepped through them: at every step s (each side of each change), the same window, and the same
+    rotary frequencies and tables bit for bit. The plain Trainer at the first stage is not."""
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--num_iterations=6", "--window_stages=1,2,4", "--final_window=4"], "cpu")
+    plan = train_gpt.plan_device(args, torch.device("cpu"))
+    stepped = train_gpt.Trainer(args, 0, 1, plan)
+    no_data = types.SimpleNamespace(load_state_dict=lambda state: None)
+    for step in range(args.num_iterations + 1):
+        stepped.move_window(step)
+        restored = train_gpt.Trainer(args, 0, 1, plan)
+        state = dict(step=step, model=stepped.model.state_dict(), optimizers=[o.state_dict() for o in stepped.optimizers],
+                     data=None, clock={})
+        assert train_gpt.restore_checkpoint(state, restored, no_data) == (step, {})
+        assert restored.window == stepped.window == train_gpt.window_at(step, args), step
+        for name in ("freqs", "cos", "sin"):
+            assert torch.equal(getattr(restored.model.rotary, name), getattr(stepped.model.rotary, name)), (step, name)
+    assert not torch.equal(train_gpt.Trainer(args, 0, 1, plan).model.rotary.freqs, stepped.model.rotary.freqs)
+
+
 def test_resume_refuses_another_configuration(tiny_shards, tmp_path):
     first = run(tiny_shards, tmp_path, "--num_iterations=2", "--save_checkpoint", run_id="first")
     with pytest.raises(train_gpt.ConfigError, match=r"model_dim \(checkpoint 64, now 128\).*muon_lr"):
@@ -86,9 +114,11 @@ def test_resume_refuses_another_configuration(tiny_shards, tmp_path):
 
 
 def test_compile_warmup_restores_the_initial_state(tiny_shards, tmp_path):
-    """Warm-up steps train on random tokens; afterwards the run must be the run without them."""
-    plain = run(tiny_shards, tmp_path, "--num_iterations=3", "--val_loss_every=1", run_id="plain")
-    warmed = run(tiny_shards, tmp_path, "--num_iterations=3", "--val_loss_every=1", "--warmup_steps=2", run_id="warmed")
+    """Warm-up steps train on random tokens, each window stage in turn; afterwards the run must be the
+    run without them (the first stage's window, the rotary untouched)."""
+    common = ["--num_iterations=3", "--val_loss_every=1", "--window_stages=1,2", "--final_window=2"]
+    plain = run(tiny_shards, tmp_path, *common, run_id="plain")
+    warmed = run(tiny_shards, tmp_path, *common, "--warmup_steps=2", run_id="warmed")
     assert warmed["val_losses"] == plain["val_losses"]
     assert warmed["train_losses"] == plain["train_losses"]
 
@@ -166,57 +196,94 @@ def test_a_stream_restored_at_a_shards_last_batch_goes_on_to_the_next_shard(tmp_
     assert not torch.equal(first[0][0], whole.tokens[:64].int())  # the second batch came from the second shard
 
 
-def documents_shard(path, lengths, lead=0):
+def documents_shard(path, lengths, lead=0, first=1):
     """A shard of documents of the given lengths (each an EOT, then tokens naming its document and
-    position), after `lead` tokens that belong to no document start."""
+    position: 1000 d + i for position i of document d, numbered from first), after `lead` tokens
+    that belong to no document."""
     import numpy as np
     import shards
     tokens = [7] * lead
-    for d, length in enumerate(lengths):
-        tokens += [train_gpt.EOT_TOKEN] + [1000 * (d + 1) + i for i in range(1, length)]
+    for d, length in enumerate(lengths, start=first):
+        tokens += [train_gpt.EOT_TOKEN] + [1000 * d + i for i in range(1, length)]
     shards.write_shard(path, np.array(tokens))
     return tokens
 
 
-def test_aligned_sequences_start_at_documents_and_the_next_shard_when_one_runs_out(tmp_path):
-    """Sequences of 8 (+1) tokens, 2 slots, aligned to documents, worked out by hand. Shard 0's documents
-    start at 0, 3, 12, 16, 20, 32, 34, 41, 46, 54 (74 tokens). Step 1: slot 0 at 0; 12 is the first start
-    8 or more on, so slot 1 begins there, and 20 (8 past 12) begins step 2, whose slots are 20 and 32
-    (12 on), ending at 41 (9 on). At 41, 41 + 2 x 2 x 8 + 1 >= 74: step 3 reads shard 1, whose
-    documents start at 3, 13, 23, ... after 3 stray tokens. Rank r of 2 gets slot r."""
-    first = documents_shard(tmp_path / "a_train_000000.bin", [3, 9, 4, 4, 12, 2, 7, 5, 8, 20])
-    second = documents_shard(tmp_path / "a_train_000001.bin", [10] * 6, lead=3)
-    assert len(first) == 74 and len(second) == 63
-    expected = [(first, 0, 12), (first, 20, 32), (second, 3, 13)]
-    streams = [train_gpt.TokenStream(str(tmp_path / "a_train_*.bin"), 8, 2, torch.device("cpu"), 50257, align_to_bos=True)
-               for _ in range(3)]
-    for shard, *starts in expected:
-        whole = streams[0].next_batch(0, 1)
-        halves = [streams[1].next_batch(0, 2), streams[2].next_batch(1, 2)]
-        assert len(whole) == 2 and [len(h) for h in halves] == [1, 1]
-        for slot, start in enumerate(starts):
-            assert shard[start] == train_gpt.EOT_TOKEN
-            window = torch.tensor(shard[start:start + 9])
-            for inputs, targets in (whole[slot], halves[slot][0]):
-                assert torch.equal(inputs.long(), window[:-1]) and torch.equal(targets, window[1:])
-    assert streams[0].state_dict() == dict(shard_index=1, pos=23, epoch=0)
+E = train_gpt.EOT_TOKEN
+# Worked out by hand: 2 slots of 8 (+1) tokens, documents clipped to 5. Shard 0: 2 stray tokens, then
+# documents of 3, 7, 2, 9, 4, 4 and 6 tokens (numbered 1..7); shard 1: 3 stray tokens, then four of 6
+# (numbered 11..14).
+PACKED_BATCHES = [
+    # step 1, shard 0: document 1 whole; 2 clipped to 5 (its last two skipped); 3's EOT fills the slot
+    # (its rest skipped) | 4 clipped to 5; 5 whole, which fills the slot exactly
+    [[E, 1001, 1002, E, 2001, 2002, 2003, 2004, E],
+     [E, 4001, 4002, 4003, 4004, E, 5001, 5002, 5003]],
+    # step 2: documents 6 and 7 fill slot 0, and shard 0 has none left for slot 1: the batch is dropped
+    # and shard 1's first document starts it again, its stray tokens skipped; 11, 13 clipped to 5, 12
+    # and 14 to the slot's last 4 tokens
+    [[E, 11001, 11002, 11003, 11004, E, 12001, 12002, 12003],
+     [E, 13001, 13002, 13003, 13004, E, 14001, 14002, 14003]],
+]
 
 
-def test_documents_too_long_to_align_stop_with_a_clear_error(tmp_path):
-    """Documents of 40 tokens: no second document start within the 2 x 2 x 8 tokens a batch may span."""
-    documents_shard(tmp_path / "b_train_000000.bin", [40] * 4)
-    stream = train_gpt.TokenStream(str(tmp_path / "b_train_*.bin"), 8, 2, torch.device("cpu"), 50257, align_to_bos=True)
-    with pytest.raises(train_gpt.DataError, match=r"b_train_000000\.bin: fewer than 2 document-aligned sequences of 8 "
-                                                  r"tokens .* --align_to_bos=false"):
-        stream.next_batch(0, 1)
+def packed_stream(tmp_path):
+    return train_gpt.TokenStream(str(tmp_path / "p_train_*.bin"), 8, 2, torch.device("cpu"), 50257, packed_doc_len=5)
 
 
-def test_a_shard_shorter_than_an_aligned_batch_may_span_is_refused(tmp_path):
-    """2 x 8 tokens aligned may span 2 x 2 x 8, and the shard must hold 2 more (the record's condition)."""
-    documents_shard(tmp_path / "c_train_000000.bin", [3] * 11)  # 33 tokens
-    with pytest.raises(train_gpt.DataError, match=r"c_train_000000\.bin: 33 tokens, fewer than the 34 that one batch of 2 x 8"):
-        train_gpt.TokenStream(str(tmp_path / "c_train_*.bin"), 8, 2, torch.device("cpu"), 50257, align_to_bos=True)
-    train_gpt.TokenStream(str(tmp_path / "c_train_*.bin"), 8, 2, torch.device("cpu"), 50257)  # unaligned: 18 suffice
+def assert_slots(micro_batches, slots):
+    assert len(micro_batches) == len(slots)
+    for (inputs, targets), slot in zip(micro_batches, slots):
+        assert inputs.dtype == torch.int32 and targets.dtype == torch.int64
+        assert inputs.tolist() == slot[:-1] and targets.tolist() == slot[1:]
+
+
+def test_packed_documents_worked_out_by_hand(tmp_path):
+    """Each slot packs documents from their EOT, each clipped to packed_doc_len and the last to what fills
+    the slot; the next segment, slot and batch start at the next document. Rank r of 2 gets slot r. A
+    shard out of documents drops the batch for the next shard's first document; after the last shard,
+    the first again (a new epoch)."""
+    first = documents_shard(tmp_path / "p_train_000000.bin", [3, 7, 2, 9, 4, 4, 6], lead=2)
+    second = documents_shard(tmp_path / "p_train_000001.bin", [6] * 4, lead=3, first=11)
+    assert (len(first), len(second)) == (37, 27)
+    streams = [packed_stream(tmp_path) for _ in range(3)]
+    for slots in PACKED_BATCHES + PACKED_BATCHES[:1]:
+        assert_slots(streams[0].next_batch(0, 1), slots)
+        assert_slots(streams[1].next_batch(0, 2), slots[:1])
+        assert_slots(streams[2].next_batch(1, 2), slots[1:])
+    assert all(s.state_dict() == dict(shard_index=0, pos=27, epoch=1) for s in streams)
+
+
+def test_a_packed_stream_resumes_at_the_same_batch(tmp_path):
+    """Restored after each batch (mid-shard, and at the end of a shard's documents), a stream gives what
+    the uninterrupted one gives next."""
+    documents_shard(tmp_path / "p_train_000000.bin", [3, 7, 2, 9, 4, 4, 6], lead=2)
+    documents_shard(tmp_path / "p_train_000001.bin", [6] * 4, lead=3, first=11)
+    whole = packed_stream(tmp_path)
+    whole.next_batch(0, 1)
+    for slots in PACKED_BATCHES[1:] + PACKED_BATCHES[:1]:
+        restored = packed_stream(tmp_path)
+        restored.load_state_dict(whole.state_dict())
+        assert_slots(restored.next_batch(0, 1), slots)
+        assert_slots(whole.next_batch(0, 1), slots)
+        assert restored.state_dict() == whole.state_dict()
+
+
+def test_documents_that_cannot_fill_a_packed_batch_stop_with_a_clear_error(tmp_path):
+    """Three documents of 40 tokens clipped to 5 give 15 tokens: fewer than 2 slots of 9."""
+    documents_shard(tmp_path / "b_train_000000.bin", [40] * 3)
+    with pytest.raises(train_gpt.DataError, match=r"b_train_000000\.bin: its documents, clipped to packed_doc_len=5 "
+                                                  r"tokens, cannot fill one batch of 2 x 9 tokens \(pass --packed_doc_len=0"):
+        train_gpt.TokenStream(str(tmp_path / "b_train_*.bin"), 8, 2, torch.device("cpu"), 50257, packed_doc_len=5)
+    train_gpt.TokenStream(str(tmp_path / "b_train_*.bin"), 8, 2, torch.device("cpu"), 50257, packed_doc_len=9)
+
+
+def test_a_shard_shorter_than_a_batch_reads_is_refused(tmp_path):
+    """Consecutive tokens: 2 x 8 tokens, and the shard must hold 2 more (the record's condition)."""
+    documents_shard(tmp_path / "c_train_000000.bin", [17])
+    with pytest.raises(train_gpt.DataError, match=r"c_train_000000\.bin: 17 tokens, fewer than the 18 that one batch of 2 x 8"):
+        train_gpt.TokenStream(str(tmp_path / "c_train_*.bin"), 8, 2, torch.device("cpu"), 50257)
+    documents_shard(tmp_path / "d_train_000000.bin", [18])
+    train_gpt.TokenStream(str(tmp_path / "d_train_*.bin"), 8, 2, torch.device("cpu"), 50257)
 
 
 def test_each_optimizer_group_gets_its_lr():
@@ -257,6 +324,7 @@ def test_ranks_split_the_same_global_batch(tiny_shards):
     (["--preset=gpu"], "unknown preset 'gpu'; valid presets: record, cpu"),
     (["--seq_len=abc"], "--seq_len=abc: expected an integer"),
     (["--compile=maybe"], "--compile=maybe: expected true or false"),
+    (["--window_stages=3,x"], "--window_stages=3,x: expected integers separated by commas"),
     (["stray"], "unexpected argument 'stray'"),
 ])
 def test_bad_overrides_are_refused(argv, message):
@@ -267,9 +335,9 @@ def test_bad_overrides_are_refused(argv, message):
 
 def test_overrides_and_flags_parse():
     args, preset = train_gpt.parse_args(["--preset", "record", "--seq_len=1024", "--save_checkpoint",
-                                         "--resume", "x.pt", "--muon_lr=0.1"], "cpu")
+                                         "--resume", "x.pt", "--muon_lr=0.1", "--window_stages=2,5"], "cpu")
     assert preset == "record" and args.seq_len == 1024 and args.save_checkpoint is True
-    assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 12
+    assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 12 and args.window_stages == (2, 5)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -277,6 +345,8 @@ def test_overrides_and_flags_parse():
     (["--val_seq_len=200"], "val_seq_len=200 must be a positive multiple of 128"),
     (["--num_layers=3"], "num_layers=3 must be an even number"),
     (["--val_tokens=1000"], "val_tokens=1000 must be a positive multiple of val_seq_len"),
+    (["--window_stages=2,0"], r"window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
+    (["--packed_doc_len=-1"], "packed_doc_len=-1 must be >= 0"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
     with pytest.raises(train_gpt.ConfigError, match=message):
@@ -306,12 +376,13 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2025-08-23) choices; the project's own are settings."""
+    """The record preset keeps the published record's (2025-09-10) choices; the project's own are settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr) == ("newton_schulz", "record", 0.05)
-    assert (args.num_iterations, args.cooldown_frac, args.head_lr, args.embed_lr, args.scalar_lr) == (1695, 0.45, 0.008, 0.6, 0.04)
+    assert (args.num_iterations, args.cooldown_frac, args.head_lr, args.embed_lr, args.scalar_lr) == (1670, 0.5, 0.008, 0.6, 0.04)
     assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.8, 0.95, 1e-10)
-    assert args.attn_gates and args.align_to_bos and args.window_tokens == 1728 and args.warmup_steps == 10
+    assert args.attn_gates and args.packed_doc_len == 2048 and args.warmup_steps == 30
+    assert (args.window_stages, args.final_window, args.attention_scale, args.first_layer_mlp) == ((3, 7, 11), 13, 0.1, False)
     # the ideas under measurement on the CPU track are off
     assert (args.loss_chunk, args.muon_neuron_beta2, args.muon_cautious_wd, args.value_embed_layout,
             args.value_embed_gates, args.dtype) == (0, 0.0, 0.0, "u", False, "bfloat16")
@@ -322,6 +393,9 @@ def test_record_preset_is_the_published_record():
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "--orthogonalizer='newton_schulz'" in help_text and "--fp8_grad_scale='record'" in help_text
+    for shown in ("--num_iterations=1670", "--cooldown_frac=0.5", "--window_stages=3,7,11", "--final_window=13",
+                  "--packed_doc_len=2048", "--warmup_steps=30", "--first_layer_mlp=False", "--attention_scale=0.1"):
+        assert shown in help_text, shown
 
 
 class HostDataCounter(TorchDispatchMode):

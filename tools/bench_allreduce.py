@@ -64,9 +64,10 @@ def bench(args):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    window = max(1, args.seq_len // train_gpt.BLOCK_SIZE)  # the whole sequence, in blocks
     torch.manual_seed(0)
     model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                          args.seq_len, attention_backend="sdpa")
+                          args.seq_len, attention_backend="sdpa", windows=(window,))
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     params = list(model.parameters())
@@ -79,7 +80,6 @@ def bench(args):
     g = torch.Generator().manual_seed(1 + rank)
     tokens = torch.randint(0, args.vocab_size, (args.micro_steps, args.seq_len + 1), generator=g)
     tokens[:, 0] = train_gpt.EOT_TOKEN
-    window = torch.tensor(max(1, args.seq_len // train_gpt.BLOCK_SIZE), dtype=torch.int32)
 
     def one_all_reduce_after_backward():
         for dtype, ps in by_dtype.items():

@@ -25,8 +25,9 @@ import train_gpt
 
 
 def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int]:
-    """A model of the preset's shape at its end-of-training window, with random weights everywhere
-    (the zero-initialized output layers too, so the greedy tokens vary)."""
+    """A model of the preset's shape at its end-of-training window (its rotary rescaled at each window
+    change, as training leaves it), with random weights everywhere (the zero-initialized output layers
+    too, so the greedy tokens vary)."""
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
     torch.manual_seed(0)
     model = train_gpt.build_model(args, max(args.seq_len, args.val_seq_len))
@@ -36,9 +37,12 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
                 p.normal_(0, 0.5 * p.size(1) ** -0.5)
             elif name.endswith("qkvo_w"):
                 p[3].normal_(0, 0.5 * p.size(-1) ** -0.5)
+    window = train_gpt.window_at(0, args)
+    for step in range(args.num_iterations + 1):
+        window = train_gpt.move_window(model, window, step, args)
     trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])
-    return sample.generation_layout(model.to(device).eval()), train_gpt.window_blocks(args.num_iterations, args)
+    return sample.generation_layout(model.to(device).eval()), window
 
 
 @torch.no_grad()
@@ -46,8 +50,7 @@ def every_position_generation(model: train_gpt.GPT, window: int, tokens: int):
     """Greedy generation through the training forward's computation: logits at every position."""
     sequence = torch.tensor([train_gpt.EOT_TOKEN], device=model.embed.weight.device)
     for _ in range(tokens):
-        padded = sample.pad_to_blocks(sequence)
-        x = model.trunk(padded, train_gpt.attention_masks(padded, window, model.attention_backend))
+        x = model.trunk(sample.pad_to_blocks(sequence), window)
         logits = model.softcapped_logits(x[0])[sequence.numel() - 1, :model.vocab_size]
         token = int(logits.argmax())
         yield token

@@ -6,7 +6,8 @@ against an independent reference, with numbers. Finishes in under 3 minutes.
 Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any check fails:
   environment        torch matches requirements.txt's pin and can use the NVIDIA GPUs the driver lists; FP8 capability
   fp8 matmul         the FP8 lm_head op against a bf16 matmul, forward and both gradients (record shapes on CUDA)
-  flex forward       compiled FlexAttention against SDPA with the same dense masks (record masks and windows)
+  flex forward       compiled FlexAttention against SDPA with the same dense masks (record windows and scales; the
+                     first stage's on CPU; windows that end inside a block)
   flex backward      the same for the gradients of q, k and v (CUDA: FlexAttention has no backward on CPU)
   training steps     the record model compiled on one GPU at a reduced sequence length: step time, tokens/s, MFU
   all-reduce         train_gpt's bucketed all-reduce across processes against the average computed in one
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLISHED_RECORD = ("2025-08-23 record (SparseAttnGate) computes: val 3.2772 at step 1695 after 168.9 s of "
+PUBLISHED_RECORD = ("2025-09-10 record (Yarn) computes: val 3.2785 at step 1670 after 159.3 s of "
                     "training on 8xH100 in its published log, unmeasured by us")
 sys.path.insert(0, str(ROOT))
 
@@ -126,38 +127,48 @@ def record_like_tokens(num_tokens: int, device: torch.device) -> torch.Tensor:
     return tokens.to(device)
 
 
-def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int = 6, head_dim: int = 128) -> str:
-    """Compiled FlexAttention against SDPA with the dense masks built from the same block rules, for the
-    record's long and short windows at several sizes."""
+def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int = 6, head_dim: int = 128,
+               stages: int | None = None) -> str:
+    """Compiled FlexAttention against SDPA with the dense mask of the same rule, for the long and short
+    windows of the record's first `stages` window stages (all by default) with their softmax scales,
+    and for two windows that end inside a block."""
     if backward and device.type != "cuda":
         raise Skip(f"FlexAttention has no backward on {device.type} in torch {torch.__version__}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = record_like_tokens(num_tokens, device)
+    record = train_gpt.Hyperparameters()
+    windows = (*record.window_stages, record.final_window)
+    scales = train_gpt.attention_scales(windows, record.attention_scale)
+    # (window in tokens, scale): as the attention layers see them, then two that are no multiple of a block
+    cases = [(blocks * train_gpt.BLOCK_SIZE, scales[w]) for w in windows[:stages] for blocks in (w, w // 2)]
+    cases += [(train_gpt.BLOCK_SIZE + 1, scales[windows[0]]), (3 * train_gpt.BLOCK_SIZE - 50, scales[windows[0]])]
 
+    # The window as a tensor: one graph per scale serves every window (an int, as in training, compiles
+    # one per window: minutes on CPU).
     @torch.compile(dynamic=False)
-    def flex(q, k, v, window):
-        long, short = train_gpt.attention_masks(tokens, window, "flex")
-        return [train_gpt.attend(q, k, v, mask, train_gpt.ATTENTION_SCALE) for mask in (long, short)]
+    def flex(q, k, v, window, scale):
+        return train_gpt.attend(q, k, v, train_gpt.attention_mask(tokens, window, "flex"), scale)
 
     worst = 0.0
     g = torch.Generator(device).manual_seed(2)
-    for window in sorted({1, 3, num_tokens // train_gpt.BLOCK_SIZE // 2, num_tokens // train_gpt.BLOCK_SIZE}):
+    for window, scale in cases:
         qkv = [torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g, dtype=dtype).requires_grad_(backward)
                for _ in range(3)]
-        outs = flex(*qkv, torch.tensor(window, dtype=torch.int32, device=device))
-        for out, mask in zip(outs, train_gpt.attention_masks(tokens, window, "sdpa")):
-            ref_qkv = [t.detach().clone().requires_grad_(backward) for t in qkv]
-            ref = F.scaled_dot_product_attention(*ref_qkv, attn_mask=mask, scale=train_gpt.ATTENTION_SCALE)
-            if backward:
-                grad = torch.randn(out.shape, device=device, generator=g, dtype=dtype)
-                got = torch.autograd.grad(out, qkv, grad, retain_graph=True)
-                want = torch.autograd.grad(ref, ref_qkv, grad)
-                worst = max(worst, *(relative_error(a, b) for a, b in zip(got, want)))
-            else:
-                worst = max(worst, relative_error(out, ref))
+        out = flex(*qkv, torch.tensor(window, device=device), scale)
+        ref_qkv = [t.detach().clone().requires_grad_(backward) for t in qkv]
+        ref = F.scaled_dot_product_attention(*ref_qkv, attn_mask=train_gpt.attention_mask(tokens, window, "sdpa"),
+                                             scale=scale)
+        if backward:
+            grad = torch.randn(out.shape, device=device, generator=g, dtype=dtype)
+            got = torch.autograd.grad(out, qkv, grad)
+            want = torch.autograd.grad(ref, ref_qkv, grad)
+            worst = max(worst, *(relative_error(a, b) for a, b in zip(got, want)))
+        else:
+            worst = max(worst, relative_error(out, ref))
     if worst > ATTENTION_TOLERANCE:
         raise AssertionError(f"relative error {worst:.2e} (limit {ATTENTION_TOLERANCE:.0e})")
-    return f"{num_tokens} tokens, {heads} heads, windows up to all: max relative error {worst:.1e}"
+    return (f"{num_tokens} tokens, {heads} heads, windows of {', '.join(map(str, sorted({w for w, _ in cases})))} tokens "
+            f"at scales {', '.join(f'{s:.4f}' for s in sorted({s for _, s in cases}))}: max relative error {worst:.1e}")
 
 
 def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps: int = 6, warmup: int = 2) -> str:
@@ -257,7 +268,7 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
         ("environment", lambda: check_environment(device)),
         ("fp8 matmul", lambda: check_fp8(device, *((record.seq_len, 768, 50304) if cuda else (128, 768, 1024)))),
         ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
-                                            **({} if cuda else dict(heads=2, head_dim=32)))),
+                                            **({} if cuda else dict(heads=2, head_dim=32, stages=1)))),
         ("flex backward", lambda: check_flex(device, 4096, backward=True)),
         ("training steps", lambda: check_training(device, training)),
         ("all-reduce", lambda: check_allreduce(device)),

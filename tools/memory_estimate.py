@@ -25,8 +25,9 @@ import train_gpt
 GIB = 2**30
 
 
-def saved_bytes(model: train_gpt.GPT, T: int) -> tuple[int, int]:
-    """Bytes saved for backward by (the trunk, the logits and loss) for one sequence of T tokens."""
+def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
+    """Bytes saved for backward by (the trunk, the logits and loss) for one sequence of T tokens, with a
+    long window of window blocks (one of the model's; the dense masks' size does not depend on it)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 
@@ -37,7 +38,7 @@ def saved_bytes(model: train_gpt.GPT, T: int) -> tuple[int, int]:
 
     tokens = torch.randint(0, train_gpt.EOT_TOKEN, (T + 1,))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        x = model.trunk(tokens[:-1], train_gpt.attention_masks(tokens[:-1], 1, "sdpa"))
+        x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
         logits = model.softcapped_logits(x)
         F.cross_entropy(logits.view(-1, logits.size(-1)), tokens[1:], reduction="sum")
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     plan = train_gpt.plan_device(dataclasses.replace(hp, dtype="bfloat16"), torch.device("cpu"))  # bf16 embeddings
     model = train_gpt.build_model(hp, 384, plan)
-    short, long = (saved_bytes(model, T) for T in (128, 384))
+    short, long = (saved_bytes(model, hp.final_window, T) for T in (128, 384))
     per_token = [(b - a) / (384 - 128) for a, b in zip(short, long)]
     casts = sum(short) - 128 * sum(per_token)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

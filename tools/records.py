@@ -414,8 +414,11 @@ def command_lines(logs: list[Log]) -> list[str]:
         return [f"(could not read preset {first.preset!r} from the logged source: {e}) The hyperparameters:",
                 "", "```", *first.hparam_lines, "```"]
 
-    def option(name, value):
-        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    def option(name, value):  # as train_gpt.py parses it: a tuple as comma-separated items
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
         return shlex.quote(f"--{name}={text}")
 
     fixed, varied = [], []

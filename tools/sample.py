@@ -29,7 +29,7 @@ import train_gpt
 from gpt2_tokenizer import ENDOFTEXT, TokenizerError, get_gpt2_encoding
 
 EOT = train_gpt.EOT_TOKEN
-PAD_TOKEN = 0  # fills a partial last block: any token but EOT, which would start a document
+PAD_TOKEN = 0  # fills a partial last block; no earlier position attends to it
 
 
 def pad_to_blocks(tokens: torch.Tensor) -> torch.Tensor:
@@ -63,61 +63,37 @@ class LayerCache:
 
 
 class KVCache:
-    """What next_token_logits() needs to run only new positions: the tokens so far and each layer's
-    keys and values (the attention-free layer's stay empty). Batch size 1, like training.
-    reserve: the positions expected, to hold from the start (a compiled step then sees one buffer size)."""
+    """What next_token_logits() needs to run only new positions: the tokens so far (their documents
+    decide the masks) and each layer's keys and values (the attention-free layer's stay empty). Batch
+    size 1, like training. reserve: the positions expected, to hold from the start (a compiled step
+    then sees one buffer size)."""
 
     def __init__(self, num_layers: int, reserve: int = 0):
         self.tokens: torch.Tensor | None = None
         self.layers = [LayerCache(reserve) for _ in range(num_layers)]
-        # attention_masks() rows from masks_start to the end of that block, against keys up to there:
-        # what the next positions use until a document starts (see next_token_logits)
-        self.masks: tuple | None = None
-        self.masks_start, self.masks_window = 0, None
 
     def __len__(self) -> int:
         return 0 if self.tokens is None else self.tokens.numel()
 
-    def rewind(self, length: int):
-        """Forgets every position from length on."""
-        self.tokens = self.tokens[:length]
-        for layer in self.layers:
-            layer.length = min(layer.length, length)
-        self.masks = None
 
-
-def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window_blocks, cache: KVCache | None = None) -> torch.Tensor:
-    """The logits (padded vocab,) of the token that follows tokens (T,).
+def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window: int, cache: KVCache | None = None) -> torch.Tensor:
+    """The logits (padded vocab,) of the token that follows tokens (T,), with a long window of window
+    blocks: one of the model's windows, each of which has its softmax scale.
 
     Without a cache, tokens is the whole sequence and this is the training forward (same trunk,
     same masks) on the sequence padded to whole blocks with PAD_TOKEN. With a cache, tokens
-    continue the cached ones and only their positions run: each query sees the keys that the
-    whole sequence's masks allow it, and their keys and values join the cache."""
+    continue the cached ones and only their positions run, under the rows of the whole sequence's
+    masks for those positions; their keys and values join the cache. A query's keys are decided by
+    its own and earlier tokens alone, so what the cache holds never needs to run again."""
     n, start = tokens.numel(), 0 if cache is None else len(cache)
     if start + n > model.max_seq_len:
         raise ValueError(f"{start + n} positions exceed the model's max_seq_len={model.max_seq_len}")
     if cache is None:
-        padded = pad_to_blocks(tokens)
-        x = model.trunk(padded, train_gpt.attention_masks(padded, window_blocks, model.attention_backend))
+        x = model.trunk(pad_to_blocks(tokens), window)
         return model.softcapped_logits(x[0, n - 1])
-    held = start % train_gpt.BLOCK_SIZE  # cached positions of a block that tokens go on filling
-    if held and bool((tokens[:train_gpt.BLOCK_SIZE - held] == EOT).any()):
-        # A document starting in that block changes which blocks its earlier positions attend
-        # (blocks are the masks' unit), so those positions run again.
-        start -= held
-        tokens = torch.cat([cache.tokens[start:], tokens])
-        cache.rewind(start)
     seen = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens])
-    end = seen.numel()
-    # Masks are made for the padded sequence up to the end of the last block. Replacing padding
-    # by tokens other than EOT changes no document, so those masks' later rows still hold.
-    if (cache.masks is None or cache.masks_window != window_blocks or end > cache.masks_start + cache.masks[0].size(0)
-            or bool((tokens == EOT).any())):
-        padded = pad_to_blocks(seen)
-        cache.masks = train_gpt.attention_masks(padded, window_blocks, "sdpa", first_query=start)
-        cache.masks_start, cache.masks_window = start, window_blocks
-    rows = slice(start - cache.masks_start, end - cache.masks_start)
-    x = model.trunk(tokens, tuple(mask[rows, :end] for mask in cache.masks), cache)
+    masks = train_gpt.attention_masks(seen, window, "sdpa", first_query=start, unit=model.window_unit)
+    x = model.trunk(tokens, window, masks, cache)
     cache.tokens = seen
     return model.softcapped_logits(x[0, -1])
 
@@ -125,9 +101,10 @@ def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window_blocks,
 def load_model(path, device: torch.device, min_seq_len: int = 0,
                dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
     """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, in
-    dtype (in_dtype), by default the one it trained in; and the long window (in blocks) it had at the
-    checkpoint's step. A file that does not hold such a model raises a
-    one-line ConfigError naming it."""
+    dtype (in_dtype), by default the one it trained in; and the long window (in window units) it had at the
+    checkpoint's step, its rotary frequencies rescaled at every window change up to there, as
+    training left them (they are not in the checkpoint). A file that does not hold such a model
+    raises a one-line ConfigError naming it."""
     path = Path(path)
     state = run_support.read_checkpoint(path, train_gpt.CHECKPOINT_KEYS)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
@@ -147,8 +124,12 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
                                     f"({len(differences)} differ, first {differences[0]}); the file was altered "
                                     f"or made by another version of train_gpt.py")
     model.load_state_dict(state["model"])
+    # Rescales compound, so the window moves through every step up to the checkpoint's, as in a resumed run.
+    window = train_gpt.window_at(0, args)
+    for step in range(state["step"] + 1):
+        window = train_gpt.move_window(model, window, step, args)
     model = in_dtype(model, train_gpt.DTYPES[dtype or args.dtype])
-    return generation_layout(model.to(device).eval()), train_gpt.window_blocks(state["step"], args)
+    return generation_layout(model.to(device).eval()), window
 
 
 def in_dtype(model: train_gpt.GPT, dtype: torch.dtype) -> train_gpt.GPT:
@@ -191,7 +172,7 @@ def choose(logits: torch.Tensor, temperature: float, top_k: int, generator: torc
 
 
 @torch.no_grad()
-def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
+def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, window: int, temperature: float = 1.0,
              top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True):
     """Yields up to max_new_tokens tokens that follow prompt, <|endoftext|> included (the caller
     decides whether a new document may follow). use_cache=False re-runs the whole prefix each step."""
@@ -200,7 +181,7 @@ def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, windo
     cache = KVCache(model.num_layers, len(prompt) + max_new_tokens) if use_cache else None
     vocab_size = model.vocab_size  # the lm_head's (and embeddings') padding rows are no tokens
     for _ in range(max_new_tokens):
-        logits = next_token_logits(model, new if use_cache else sequence, window_blocks, cache)
+        logits = next_token_logits(model, new if use_cache else sequence, window, cache)
         token = choose(logits[:vocab_size], temperature, top_k, generator)
         yield token
         new = torch.tensor([token], device=device)
