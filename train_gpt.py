@@ -1066,9 +1066,9 @@ class TokenStream:
         return slots, int(starts[i]) if i < len(starts) else self.shard_length
 
     def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
-        if self.tokens is None:
-            self._read(self.shard_index)
         if self.packed_doc_len:
+            if self.tokens is None:
+                self._read(self.shard_index)
             packed = self._packed_segments(self.pos)
             if packed is None:
                 self._next_shard()
@@ -1078,6 +1078,8 @@ class TokenStream:
         else:
             if self.pos + self.span + 1 >= self.shard_length:
                 self._next_shard()
+            elif self.tokens is None:
+                self._read(self.shard_index)
             mine = [self.tokens[start:start + self.seq_len + 1]
                     for start in range(self.pos + rank * self.seq_len, self.pos + self.span, world_size * self.seq_len)]
             self.pos += self.span

@@ -27,7 +27,7 @@ GIB = 2**30
 
 def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
     """Bytes saved for backward by (the trunk, the logits and loss) for one sequence of T tokens, with a
-    long window of window blocks (one of the model's; the dense masks' size does not depend on it)."""
+    long window of window units (one of the model's; the dense masks' size does not depend on it)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 

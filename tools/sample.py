@@ -78,7 +78,7 @@ class KVCache:
 
 def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window: int, cache: KVCache | None = None) -> torch.Tensor:
     """The logits (padded vocab,) of the token that follows tokens (T,), with a long window of window
-    blocks: one of the model's windows, each of which has its softmax scale.
+    units (of model.window_unit tokens): one of the model's windows, each of which has its softmax scale.
 
     Without a cache, tokens is the whole sequence and this is the training forward (same trunk,
     same masks) on the sequence padded to whole blocks with PAD_TOKEN. With a cache, tokens
