@@ -467,6 +467,10 @@ class CastedLinear(nn.Linear):
         return F.linear(x, self.weight.type_as(x))
 
 
+YARN_ALPHA, YARN_BETA = 1, 32  # YaRN's defaults (the record's): rotations over the window below which a frequency
+# is fully interpolated, and above which it is kept
+
+
 class Rotary(nn.Module):
     """Rotary embedding on half of each head's dims (the other half carries no position), one table
     for every layer. The frequencies are a float32 CPU tensor, not a buffer: the tables are made on
@@ -488,11 +492,11 @@ class Rotary(nn.Module):
 
     def rescale(self, old_window: int, new_window: int):
         """YaRN (arXiv 2309.00071) as the 2025-09-10 record applies it when the long window changes (in
-        window units): frequencies that turn less than once over the old window slow by old/new, those turning
-        32 times or more keep theirs, and those between blend linearly."""
+        window units): frequencies that turn fewer than YARN_ALPHA times over the old window slow by old/new,
+        those turning YARN_BETA times or more keep theirs, and those between blend linearly."""
         rotations = self.window_unit * old_window * self.freqs / (2 * torch.pi)
         ratio = old_window / new_window
-        blend = torch.clamp((rotations - 1) / (32 - 1), 0, 1)
+        blend = torch.clamp((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0, 1)
         self.freqs *= ratio + blend * (1 - ratio)
         self._fill_tables()
 
@@ -1498,6 +1502,15 @@ def move_window(model: GPT, window: int, step: int, args: Hyperparameters) -> in
     return new
 
 
+def replay_windows(model: GPT, step: int, args: Hyperparameters) -> int:
+    """The window of step, for a model whose rotary has its initial frequencies: moved through steps
+    0..step, how a resumed run or a loaded checkpoint gets the rotary its training left."""
+    window = window_at(0, args)
+    for past in range(step + 1):
+        window = move_window(model, window, past, args)
+    return window
+
+
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
@@ -1659,8 +1672,7 @@ def restore_checkpoint(state: dict, trainer: Trainer, stream: TokenStream) -> tu
     for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
     stream.load_state_dict(state["data"])
-    for step in range(state["step"] + 1):
-        trainer.move_window(step)
+    trainer.window = replay_windows(trainer.model, state["step"], trainer.args)
     return state["step"], state["clock"]
 
 

@@ -37,9 +37,7 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
                 p.normal_(0, 0.5 * p.size(1) ** -0.5)
             elif name.endswith("qkvo_w"):
                 p[3].normal_(0, 0.5 * p.size(-1) ** -0.5)
-    window = train_gpt.window_at(0, args)
-    for step in range(args.num_iterations + 1):
-        window = train_gpt.move_window(model, window, step, args)
+    window = train_gpt.replay_windows(model, args.num_iterations, args)
     trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])
     return sample.generation_layout(model.to(device).eval()), window

@@ -124,10 +124,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
                                     f"({len(differences)} differ, first {differences[0]}); the file was altered "
                                     f"or made by another version of train_gpt.py")
     model.load_state_dict(state["model"])
-    # Rescales compound, so the window moves through every step up to the checkpoint's, as in a resumed run.
-    window = train_gpt.window_at(0, args)
-    for step in range(state["step"] + 1):
-        window = train_gpt.move_window(model, window, step, args)
+    window = train_gpt.replay_windows(model, state["step"], args)
     model = in_dtype(model, train_gpt.DTYPES[dtype or args.dtype])
     return generation_layout(model.to(device).eval()), window
 
