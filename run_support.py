@@ -1,11 +1,12 @@
-"""What a run of train_gpt.py needs that never changes what it computes: the run log and its reports
-(hardware, memory, throughput and MFU), checkpoint and log files, stop signals and the resume
-command. train_gpt.py logs this file's source after its own, so a log still holds every line that
-ran. This module imports nothing from train_gpt.py.
+"""What a run of train_gpt.py needs that never changes what it computes: the command line, the run log
+and its reports (the run's layout, hardware, memory, throughput and MFU), checkpoints, stop signals and
+the resume command, the GPU guard. train_gpt.py logs this file's source after its own, so a log still
+holds every line that ran. This module imports nothing from train_gpt.py.
 """
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import platform
 import re
@@ -17,7 +18,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,11 +44,73 @@ class WriteError(OSError):
 
 
 def os_reason(error: BaseException) -> str | None:
-    """The OS's own words for a failed write, which torch's serializer wraps in its own errors; None
-    when no OS error lies beneath."""
+    """The OS's own words for a failed write, which torch's serializer wraps in errors of its own; None if none."""
     while error is not None and not (isinstance(error, OSError) and error.strerror):
         error = error.__cause__ or error.__context__
     return error.strerror if error is not None else None
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line: a preset, then --key=value overrides of its hyperparameters
+
+
+def _convert(field: dataclasses.Field, text: str):
+    kind = field.type if isinstance(field.type, type) else type(field.default)
+    if kind is tuple:
+        try:
+            return tuple(int(item) for item in text.split(","))
+        except ValueError:
+            raise ConfigError(f"--{field.name}={text}: expected integers separated by commas") from None
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{field.name}={text}: expected true or false")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{field.name}={text}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
+
+
+def parse_options(argv: list[str], hyperparameters: type, presets: dict, default_preset: str) -> tuple[object, str]:
+    """The hyperparameters dataclass of --preset NAME plus --key=value (or --key value; a bare --flag sets a bool)."""
+    fields = {f.name: f for f in dataclasses.fields(hyperparameters)}
+    preset, overrides, i = default_preset, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --key=value (see --help)")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value and key != "preset" and key in fields and fields[key].type in (bool, "bool"):
+            value, has_value = "true", True
+        if not has_value:
+            if i + 1 == len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            i, value = i + 1, argv[i + 1]
+        if key == "preset":
+            if value not in presets:
+                raise ConfigError(f"unknown preset {value!r}; valid presets: {', '.join(presets)}")
+            preset = value
+        elif key not in fields:
+            raise ConfigError(f"unknown hyperparameter {key!r}; valid ones: {', '.join(fields)}")
+        else:
+            overrides[key] = _convert(fields[key], value)
+        i += 1
+    args = dataclasses.replace(hyperparameters(**presets[preset]), **overrides)
+    return args, preset
+
+
+def usage(doc: str, hyperparameters: type, presets: dict) -> str:
+    """--help: the script's docstring, the presets, and every hyperparameter with its default and comment."""
+    lines = [doc.strip(), "", f"presets: {', '.join(presets)} (default: record with CUDA, cpu without)",
+             "hyperparameters (record defaults):"]
+    source = inspect.getsource(hyperparameters).splitlines()
+    for f in dataclasses.fields(hyperparameters):
+        comment = next((line.split("#", 1)[1].strip() for line in source if line.strip().startswith(f"{f.name}:")), "")
+        shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else repr(f.default)  # as --key=value takes it
+        lines.append(f"  --{f.name}={shown:<40} {comment}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -56,8 +118,7 @@ def os_reason(error: BaseException) -> str | None:
 
 
 def logged_sources(paths: list[Path]) -> str:
-    """The files' sources as a log begins: the first exactly as it is, each later one after a header
-    naming it (as the upstream repository logs its kernel files)."""
+    """The first file exactly as it is, each later one after a header naming it (as upstream logs its kernels)."""
     parts = []
     for i, path in enumerate(paths):
         text = path.read_text()
@@ -113,10 +174,8 @@ class RunLog:
 
     def close(self):
         if self.file is not None:
-            try:
+            with contextlib.suppress(OSError):  # what could not be written has ended the run already, naming the log
                 self.file.close()
-            except OSError:  # what could not be written has ended the run already, naming the log
-                pass
 
 
 def describe_hardware(device: torch.device, world_size: int) -> list[str]:
@@ -128,11 +187,9 @@ def describe_hardware(device: torch.device, world_size: int) -> list[str]:
             details = f"nvidia-smi unavailable: {e}"
         return [f"hardware: {world_size}x {torch.cuda.get_device_name(device)}", *([details] if details else [])]
     model = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return [f"hardware: {world_size}x CPU {model}, {os.cpu_count()} logical cores, "
             f"torch uses {torch.get_num_threads()} threads per process"]
 
@@ -145,10 +202,8 @@ def cpu_memory_lines(dtype: str) -> list[str]:
 
 
 def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
-    """Whether large CPU tensors get 2 MB pages: with THP_MEM_ALLOC_ENABLE=1, torch's allocator asks
-    the kernel for them (madvise) on tensors of 2 MB or more, which it grants unless its mode is never;
-    in mode always it gives them unasked. They speed up bfloat16 runs and slow float32 ones, so
-    ./run.sh asks in bfloat16 runs only (records/track_cpu/README.md)."""
+    """With THP_MEM_ALLOC_ENABLE=1 torch asks for 2 MB pages on tensors of 2 MB or more; they speed up bfloat16
+    and slow float32 (records/track_cpu/README.md), so ./run.sh asks in bfloat16 runs only."""
     try:
         mode = mode_file.read_text().split("[", 1)[1].split("]", 1)[0]
     except (OSError, IndexError):
@@ -211,9 +266,8 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = PEAK_
 
 
 def flops_per_token(model, args) -> float:
-    """Training FLOPs per token of train_gpt's GPT: 6 per matmul weight (forward + backward), plus
-    attention scores and values (QK^T and AV, forward and backward) over the keys a query sees on
-    average: about half its layer's window (or sequence), over the window stages."""
+    """Training FLOPs per token: 6 per matmul weight, plus QK^T and AV (forward and backward) over the keys a
+    query sees on average, half its layer's window (or sequence), averaged over the window stages."""
     matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.ndim >= 2 and "embed" not in name)
     windows = [min((stage if long else stage // 2) * args.window_unit, args.seq_len) / 2
                for block, long in zip(model.blocks, model.long_window) if block.attn is not None
@@ -222,7 +276,7 @@ def flops_per_token(model, args) -> float:
     return 6 * matmul_weights + 12 * args.num_heads * args.head_dim * keys
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainingClock:
     """Training time excludes validation, checkpoints and the warm-up steps (which compile), as in the
     speedrun logs; without warm-up steps the first step compiles on the clock. Validation is timed apart."""
@@ -231,6 +285,14 @@ class TrainingClock:
     first_step_ms: float = 0.0  # step 1, which compiles (with compile on and no warm-up steps); 0 once resumed
     validation_ms: float = 0.0  # all validations so far (off the training clock)
     validations: int = 0  # how many that time covers
+
+    def timed_validation(self, validate) -> float:
+        """validate()'s loss, its time added to the validation total."""
+        start = time.perf_counter()
+        loss = validate()
+        self.validation_ms += 1000 * (time.perf_counter() - start)
+        self.validations += 1
+        return loss
 
     def throughput_lines(self, tokens_per_step: int, flops_per_token: float, peak: tuple[float, str],
                          world_size: int) -> list[str]:
@@ -248,16 +310,74 @@ class TrainingClock:
         return lines
 
 
+def describe_run(trainer) -> list[str]:
+    """The model, Muon's rounds, the distribution, batch, windows and gradient sum of a train_gpt Trainer."""
+    args, model, buckets, world_size = trainer.args, trainer.model, trainer.buckets, trainer.world_size
+    lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
+             f"attention-free layer {next(i for i, block in enumerate(model.blocks) if block.attn is None)}; MLP-free layers "
+             f"{[i for i, block in enumerate(model.blocks) if block.mlp is None]}; "
+             f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
+             f"{'on' if args.attn_gates else 'off'}; long-window layers "
+             f"{[i for i, long in enumerate(model.long_window) if long]}"]
+    lines.append(f"muon: {len(trainer.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
+                 f"{[round(f / 1e9, 2) for f in trainer.muon.flops_per_rank]}")
+    if world_size > 1:
+        lines.append(f"distributed: world size {world_size}, backend {dist.get_backend()}, {len(buckets.buckets)} "
+                     f"gradient buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB")
+    else:
+        lines.append("distributed: world size 1, no gradient communication")
+    lines.append(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {world_size} ranks x "
+                 f"{trainer.grad_accum_steps} micro-steps; " + (f"documents packed, each clipped to {args.packed_doc_len} tokens"
+                                                                if args.packed_doc_len else "consecutive tokens"))
+    scales = ", ".join(f"{window}: {scale:.7f}" for window, scale in model.attention_scales.items())
+    lines.append(f"windows (units of {args.window_unit} tokens; short layers half): {', '.join(map(str, args.window_stages))} "
+                 f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}")
+    lines.append("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
+                 if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in "
+                 "another order (exact_grad_sum=false)")
+    return lines
+
+
+def unigram_entropy(sequences: torch.Tensor, vocab_size: int) -> float:
+    """Entropy in nats of the validation targets' token frequencies: the loss of a model that knows only how
+    often each token occurs."""
+    counts = torch.bincount(sequences[:, 1:].reshape(-1), minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, val_entropy: float,
+                 checkpoints: list[Path], peak: tuple[float, str]):
+    """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory."""
+    args, buckets = trainer.args, trainer.buckets
+    for path in checkpoints:
+        log(f"checkpoint: {path}", console=False)
+    for line in clock.throughput_lines(args.batch_slots * args.seq_len, flops_per_token(trainer.model, args), peak,
+                                       trainer.world_size):
+        log(line)
+    if buckets is not None:
+        log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "
+            f"over {buckets.steps} synchronized steps", console=False)
+    log(f"validation, off the training clock: {clock.validations} x {args.val_tokens:,} tokens in {clock.validation_ms / 1000:.1f} s")
+    final = val_losses[args.num_iterations]
+    log(f"final val loss {final:.4f} nats vs {val_entropy:.4f} for the validation tokens' unigram entropy: "
+        f"{val_entropy - final:.4f} nats below")
+    log(peak_memory_line(trainer.device))
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoint and log files
 
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:06d}.pt"  # zero-padded: names sort by step
+CHECKPOINT_NAME = "step_{:06d}.pt"  # zero-padded: names sort by step
+CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
+# Settings that may differ between a checkpoint and the run resuming it.
+RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
+                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
+                     "exact_grad_sum"}
 
 
 def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
-    return Path(checkpoint_dir, run_id, checkpoint_name(step))
+    return Path(checkpoint_dir, run_id, CHECKPOINT_NAME.format(step))
 
 
 def write_checkpoint(path: Path, state: dict):
@@ -304,6 +424,41 @@ def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
     return found[-1]
 
 
+def check_resumable(state: dict, path: Path, args):
+    saved, now = state["hyperparameters"], dataclasses.asdict(args)
+    mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
+                  if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    if mismatched:
+        raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
+
+
+def save_checkpoint(trainer, stream, clock: TrainingClock, run_id: str, log: RunLog, saved: list[Path], step: int,
+                    periodic: bool = False) -> Path:
+    """Called on every rank (Muon gathers its state), written by rank 0. A periodic save that fails is logged and
+    training goes on; any other raises WriteError on every rank. saved may begin with a resumed run's checkpoint."""
+    path = checkpoint_path(trainer.args.checkpoint_dir, run_id, step)
+    state = dict(step=step, model=trainer.model.state_dict(), optimizers=[o.state_dict() for o in trainer.optimizers],
+                 data=stream.state_dict(), hyperparameters=dataclasses.asdict(trainer.args),
+                 clock=dataclasses.asdict(clock))
+    failure = None
+    if trainer.rank == 0:
+        try:
+            write_checkpoint(path, state)
+        except WriteError as e:
+            failure = e
+    written = torch.tensor(int(failure is None), device=trainer.device)
+    if trainer.world_size > 1:
+        dist.broadcast(written, 0)
+    if not written:
+        failure = failure or WriteError(f"{path}: rank 0 could not write the checkpoint")
+        if not periodic:
+            raise failure
+        log(f"{failure}; training goes on, the last checkpoint is {saved[-1] if saved else 'none yet'}")
+        return path
+    saved.append(path)
+    return path
+
+
 def check_writable(folder: Path, option: str):
     """Fails now, naming the option, rather than after training when the first file is saved."""
     try:
@@ -317,13 +472,10 @@ def check_writable(folder: Path, option: str):
 def log_path_for(log_dir: Path, run_id: str, resuming: bool) -> tuple[Path, Path | None]:
     """logs/<run_id>.txt; a resumed run whose log exists continues in <run_id>.resume<N>.txt, naming
     the newest log before it. Returns (path, the log it continues or None)."""
-    path = log_dir / f"{run_id}.txt"
-    if not resuming or not path.exists():
-        return path, None
-    n = 1
-    while (log_dir / f"{run_id}.resume{n}.txt").exists():
-        path, n = log_dir / f"{run_id}.resume{n}.txt", n + 1
-    return log_dir / f"{run_id}.resume{n}.txt", path
+    logs = [log_dir / f"{run_id}.txt"]
+    while resuming and logs[-1].exists():
+        logs.append(log_dir / f"{run_id}.resume{len(logs)}.txt")
+    return logs[-1], (logs[-2] if len(logs) > 1 else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,11 +491,8 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """SIGTERM (what SLURM and cloud preemption send) and SIGINT (Ctrl-C) let the current optimizer step
-    finish; the training loop then saves a checkpoint and stops. Repeats are ignored (a launcher may
-    forward the signal the process already got). Ranks must stop after the same step, so with several
-    processes the flag is agreed on by an all-reduce on a CPU (gloo) group, launched asynchronously at
-    one step and read at the next: no GPU synchronization, and no rank's CPU waits on a slower rank."""
+    """SIGTERM (SLURM, cloud preemption) and SIGINT (Ctrl-C) let the optimizer step finish, then the loop saves
+    a checkpoint and stops. Repeats are ignored: a launcher may forward the signal the process already got."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -357,7 +506,8 @@ class StopSignals:
         self.received = self.received or signum
 
     def agreed(self) -> int:
-        """The signal every rank stops on (0: none yet); called once per optimizer step on every rank."""
+        """The signal every rank stops on (0: none yet), once per step: a gloo all-reduce launched at one step and
+        read at the next, so ranks stop after the same step without a GPU sync or waiting on a slower rank."""
         if self.group is None:
             return self.received
         agreed = 0
@@ -381,7 +531,7 @@ def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, 
     """Saves a checkpoint of the finished step unless saved holds one (save(step), on every rank, returns
     its path), and says how to resume from it."""
     name = signal.Signals(signum).name
-    path = next((p for p in saved if p.name == checkpoint_name(step)), None)
+    path = next((p for p in saved if p.name == CHECKPOINT_NAME.format(step)), None)
     try:
         path = path or save(step)
     except OSError as e:
@@ -425,9 +575,8 @@ def nvidia_gpus(proc: Path = Path("/proc/driver/nvidia")) -> tuple[list[str], st
 
 
 def unusable_gpus_message(environ=os.environ, proc: Path = Path("/proc/driver/nvidia")) -> str | None:
-    """One line when NVIDIA GPUs are present but this torch cannot use them, so that a run would fall
-    back to the CPU without a word; None when there are none, torch can use them, or the user opted
-    out (TRAIN_GPT_ALLOW_CPU=1, or CUDA_VISIBLE_DEVICES set to hide every GPU)."""
+    """One line when NVIDIA GPUs are present but torch cannot use them (a run would fall back to the CPU silently);
+    None when there are none, torch can use them, or the user opted out (TRAIN_GPT_ALLOW_CPU=1, GPUs hidden)."""
     if environ.get(CPU_ON_GPU_MACHINE) == "1" or environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return None
     with warnings.catch_warnings(record=True) as said:  # torch's own warning joins the one line

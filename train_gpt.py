@@ -5,10 +5,10 @@
     python train_gpt.py --help                                        # presets and every hyperparameter
 
 This file holds every line that can change what a run computes. What only reports or controls a
-run (the log, checkpoint files, stop signals) is in run_support.py, whose source every log holds
-after this file's. Sections, in the order of the published record: setup, FP8 custom ops,
-optimizers, model (layers, masks, attention, loss, GPT), gradient synchronization, data,
-hyperparameters, the device plan, the training step and loop, main.
+run (the command line, the log and its reports, checkpoints, stop signals) is in run_support.py,
+whose source every log holds after this file's. Sections, in the order of the published record:
+setup, FP8 custom ops, optimizers, model (layers, masks, attention, loss, GPT), gradient
+synchronization, data, hyperparameters, the device plan, the training step and loop, main.
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import functools
 import glob
-import inspect
 import math
 import os
 import sys
@@ -85,10 +84,8 @@ SETTLE_ELEMENTS_PER_THREAD = 32768  # more than any elementwise op's grain (exp'
 
 
 def settle_vector_math():
-    """One elementwise exp on every CPU thread, before the run's first matmul. On a thread that ran
-    float32 matmuls, the first call into the MKL vector math behind torch.exp, cos and sin on CPU
-    came out slightly off in some processes, and the rotary tables then differed from run to run;
-    later calls are accurate, so this makes the first one here (tests/test_train_loop.py)."""
+    """On a thread that ran float32 matmuls, the first MKL exp, cos or sin came out slightly off in some
+    processes (the rotary tables then differed between runs): this makes that first call, on every thread."""
     torch.ones(SETTLE_ELEMENTS_PER_THREAD * torch.get_num_threads()).exp()
 
 
@@ -254,20 +251,8 @@ NORMUON_EPS = 1e-10  # keeps NorMuon's divisions finite for an all-zero row or u
 
 
 class Muon(torch.optim.Optimizer):
-    """Nesterov momentum, then orthogonalization, for hidden weight matrices (..., rows, cols).
-
-    Each rank owns the matrices dealt to it, balanced by FLOPs: it alone keeps their momentum and
-    orthogonalizes them. Matrices go in rounds: round r holds each rank's r-th matrix; a round's
-    results are all-gathered asynchronously while the next round computes, then applied by every
-    rank. Each matrix is orthogonalized alone, so its update has the same bits at any world size; a
-    single process is world size 1, the same code without communication. state_dict() gathers every
-    matrix's state from its owner and load_state_dict() keeps a rank's own: checkpoints resume on any
-    world size. The device plan says whether to compile the orthogonalization (on CUDA).
-
-    Two options, off by default (the record): neuron_beta2 > 0 normalizes each orthogonalized update
-    per neuron on its owner (NorMuon; its result goes out in float32), and the group's weight_decay
-    applies cautious weight decay on every rank after the all-gather.
-    """
+    """Nesterov momentum, then orthogonalization, for hidden matrices (..., rows, cols). Each rank owns the matrices
+    dealt to it by FLOPs and all-gathers their updates round by round: the same bits at any world size."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
@@ -279,8 +264,10 @@ class Muon(torch.optim.Optimizer):
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
         self.neuron_beta2 = neuron_beta2
         self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
-        dealt = deal_by_cost([orthogonalization_flops(p.shape) for p in params], world_size)
+        costs = [orthogonalization_flops(p.shape) for p in params]
+        dealt = deal_by_cost(costs, world_size)
         self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank owns
+        self.flops_per_rank = [sum(costs[i] for i in indices) for indices in dealt]  # the log reports the balance
         self.rounds = [[mine[r] if r < len(mine) else None for mine in self.dealt]
                        for r in range(max(map(len, self.dealt)))]
         self.update_dtype = torch.float32 if neuron_beta2 else dtype  # what the all-gather carries
@@ -395,9 +382,8 @@ def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, st
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam without weight decay, each group with its own lr. States have their parameter's dtype. The
-    device plan says whether to compile the update (on CUDA, as the record does: its bf16 states are
-    then rounded once per update, not once per operation)."""
+    """Adam without weight decay, each group with its own lr, states in the parameter's dtype. Compiled on CUDA, as in
+    the record: its bf16 states are then rounded once per update, not once per operation."""
 
     def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False):
         super().__init__(param_groups, dict(betas=betas, eps=eps))
@@ -472,9 +458,8 @@ YARN_ALPHA, YARN_BETA = 1, 32  # YaRN's defaults (the record's): rotations over 
 
 
 class Rotary(nn.Module):
-    """Rotary embedding on half of each head's dims (the other half carries no position), one table
-    for every layer. The frequencies are a float32 CPU tensor, not a buffer: the tables are made on
-    the CPU and copied, so every device holds the same values."""
+    """Rotary embedding on half of each head's dims, one table for every layer. freqs is a float32 CPU tensor, not a
+    buffer: the tables are made on the CPU and copied, so every device holds the same values."""
 
     def __init__(self, head_dim: int, max_seq_len: int, window_unit: int = BLOCK_SIZE):
         super().__init__()
@@ -491,9 +476,8 @@ class Rotary(nn.Module):
         self.sin.copy_(theta.sin())
 
     def rescale(self, old_window: int, new_window: int):
-        """YaRN (arXiv 2309.00071) as the 2025-09-10 record applies it when the long window changes (in
-        window units): frequencies that turn fewer than YARN_ALPHA times over the old window slow by old/new,
-        those turning YARN_BETA times or more keep theirs, and those between blend linearly."""
+        """YaRN (arXiv 2309.00071) as the 2025-09-10 record applies it at a window change (in window units): frequencies
+        turning under YARN_ALPHA times over the old window slow by old/new, over YARN_BETA keep theirs; between, blend."""
         rotations = self.window_unit * old_window * self.freqs / (2 * torch.pi)
         ratio = old_window / new_window
         blend = torch.clamp((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0, 1)
@@ -508,10 +492,8 @@ class Rotary(nn.Module):
 
 
 def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int = 0):
-    """Causal attention within documents (each starts at EOT_TOKEN) to the keys at most window tokens
-    back (window + 1 keys with the query's own): a FlexAttention BlockMask for backend "flex", a dense
-    boolean (T, T) mask with exactly its pairs for "sdpa". first_query: generation's hook, the dense
-    mask's rows from there on."""
+    """Causal attention within documents (each starts at EOT_TOKEN) to keys at most window tokens back: a BlockMask
+    for backend "flex", a dense (T, T) boolean mask of exactly its pairs for "sdpa" (generation: rows from first_query)."""
     docs = (tokens == EOT_TOKEN).cumsum(0)
 
     def allowed(b, h, q_idx, kv_idx):
@@ -662,9 +644,8 @@ VALUE_EMBED_LAYOUTS = ("u", "alternate")  # the values of Hyperparameters.value_
 
 
 def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | None]:
-    """Which value-embedding table each layer mixes into v. u (the record): tables 0, 1, 2 on the first
-    three layers and again on the last three (fewer when shallow, always leaving two middle layers
-    without). alternate: every other layer from the first, half as many tables, each used twice in turn."""
+    """Each layer's value-embedding table: u (the record) puts tables 0, 1, 2 on the first and last three layers (fewer
+    when shallow); alternate puts half as many on every other layer, each used twice in turn."""
     if layout == "alternate":
         layers = range(0, num_layers, 2)
         tables = -(-len(layers) // 2)
@@ -698,11 +679,8 @@ LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
 
 
 class ChunkedSoftcapLoss(torch.autograd.Function):
-    """The summed cross-entropy of softcapped logits xn @ w^T (what GPT.softcapped_logits and
-    F.cross_entropy compute), chunk rows at a time, without ever holding the (T, vocab) float32
-    logits: each chunk's gradients are made in the forward while its logits are at hand (training
-    always runs backward), and the backward only scales them. The same maths, in fewer passes over
-    far less memory; on CPU the unchunked logits cost more in memory traffic than in FLOPs."""
+    """The summed cross-entropy of softcapped logits xn @ w^T, chunk rows at a time, never holding (T, vocab) float32
+    logits: each chunk's gradients are made in the forward while its logits are at hand; backward only scales them."""
 
     @staticmethod
     def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
@@ -742,20 +720,16 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
     @classmethod
     def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
-        """apply(), making gradients only where autograd can use them: needs_input_grad follows
-        requires_grad whatever the grad mode, so under no_grad the inputs go in detached (validation:
-        one sigmoid and one exp2 a logit)."""
+        """apply(), with gradients only where autograd can use them: needs_input_grad follows requires_grad even
+        under no_grad, so validation's inputs go in detached."""
         if not torch.is_grad_enabled():
             xn, w = xn.detach(), w.detach()
         return cls.apply(xn, w, targets, chunk)
 
 
 class GPT(nn.Module):
-    """The U-net GPT. Modules are registered in forward order, so reversed(parameters()) is the
-    order in which gradients become ready in backward (the bucketing relies on it). The device plan
-    gives the attention backend, the FP8 lm_head, the training loss's chunks and the embeddings' dtype.
-    windows: every long window of a run, in order (window_stages, then final_window), in units of
-    window_unit tokens, each with its softmax scale from attention_scale."""
+    """The U-net GPT, modules registered in forward order: reversed(parameters()) is the order in which gradients become
+    ready (the bucketing relies on it). windows: every long window of a run in order, each with its softmax scale."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
@@ -807,10 +781,8 @@ class GPT(nn.Module):
         return loss if self.training else loss / target_seq.numel()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None) -> Tensor:
-        """Embeddings and blocks with x0 mixing, value embeddings and U-net skips: the final residual
-        stream (1, T, D) of tokens (T,), with a long window of window units. Generation's hooks
-        (tools/sample.py): masks, the (long, short) rows of attention_masks() for these positions, and
-        cache, a KV cache whose layers[i] serves block i."""
+        """The final residual stream (1, T, D) of tokens (T,) at a long window of window units. Generation's hooks
+        (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block."""
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
@@ -840,23 +812,13 @@ class GPT(nn.Module):
 
 
 class GradientBuckets:
-    """Gradient averaging over ranks in buckets of about bucket_bytes, launched during backward.
-
-    Parameters are packed in the order their gradients become ready; a bucket closes when full or
-    when the dtype changes. Each bucket is one flat buffer, and each parameter's .grad a view of its
-    part: backward adds into it, the all-reduce averages it in place, and no gradient is copied. On
-    the last micro-step of an optimizer step, each parameter's post-accumulate-grad hook counts its
-    bucket's ready gradients, and the hook completing a bucket launches its async all-reduce.
-    wait_for_gradients() waits for every bucket and resets the counts; zero_grad() zeroes the buffers.
-
-    With sum_dtype=torch.float64, every micro-step's gradients are added into float64 buffers (and
-    the parameters' .grad dropped), and the all-reduce runs in float64 too. A sum of a few float32 or
-    bfloat16 numbers is exact in float64, so the order of the sum no longer matters: 1, 2, 4 or 8
-    processes get the same gradient bits. World size 1 uses the same accumulation, without communication.
-    """
+    """Gradient averaging over ranks in buckets of about bucket_bytes, each .grad a view of its bucket's flat buffer (no
+    copies); on the last micro-step, the hook of a bucket's last ready gradient launches its async all-reduce."""
 
     def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
                  sum_dtype: torch.dtype | None = None):
+        # sum_dtype=torch.float64: micro-steps and ranks add into float64 buffers, where a sum of a few float32 or
+        # bf16 numbers is exact, so its order no longer matters: any world size gets the same gradient bits.
         self.world_size, self.sum_dtype = world_size, sum_dtype
         self.buckets: list[list[nn.Parameter]] = []
         size, dtype = bucket_bytes, None
@@ -984,19 +946,8 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 
 
 class TokenStream:
-    """Hands out each optimizer step's batch: num_slots sequences of seq_len tokens (+1 for targets);
-    rank r gets slots r, r + W, r + 2W, ... (one per micro-step). With packed_doc_len=0 the slots are
-    consecutive tokens. Packed (the record), each slot is whole documents from their first tokens,
-    each clipped to packed_doc_len tokens and the last to what fills the slot; what a clip leaves is
-    skipped, and the next document starts the next segment. The next shard is read when fewer than a
-    batch's tokens remain (packed: when its documents cannot fill the batch, which is dropped); the
-    last shard wraps around to the first. state_dict() is the exact read position. pin_memory: shards
-    in pinned host memory and batches copied to the device without blocking.
-
-    A shard is read when its first batch is asked for, as the record reads them: on the training clock.
-    Its token ids are checked once, by check_shard() (the record has no such check; the loop runs it
-    off the clock); the first shard, or a resumed run's, is checked when the stream is made or
-    restored, so that bad data stops a run before anything is written."""
+    """Each step's batch: num_slots sequences of seq_len + 1 tokens, rank r taking slots r, r + W, ...: consecutive
+    tokens, or packed documents (the record). A shard is read when first needed, on the clock, as the record does."""
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False, packed_doc_len: int = 0):
@@ -1029,6 +980,8 @@ class TokenStream:
         return self.tokens is not None and self.shard_index not in self.checked
 
     def check_shard(self):
+        """Token ids, once a shard: the record has no such check, so the loop runs it off the clock (the first
+        shard, or a resumed run's, when the stream is made or restored: before anything is written)."""
         if self.unchecked:
             check_token_ids(self.paths[self.shard_index], self.tokens, self.vocab_size)
             self.checked.add(self.shard_index)
@@ -1105,14 +1058,6 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
     flat = torch.cat(tokens)[:num_tokens + 1].long()
     starts = torch.arange(0, num_tokens, seq_len)
     return torch.stack([flat[s:s + seq_len + 1] for s in starts])
-
-
-def unigram_entropy(sequences: Tensor, vocab_size: int) -> float:
-    """Entropy in nats of the validation targets' token frequencies: the loss of a model that
-    knows only how often each token occurs."""
-    counts = torch.bincount(sequences[:, 1:].reshape(-1), minlength=vocab_size).double()
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1217,7 +1162,7 @@ PRESETS = {
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
         exact_grad_sum=False,  # costs time every step; tests comparing world sizes switch it on
-        compile=True,  # steps about twice as fast, for a compile that inductor's cache shortens
+        compile=True,  # faster steps, for a compile that inductor's cache shortens
         warmup_steps=0,
     ),
 }
@@ -1232,57 +1177,10 @@ CHOICES = {
     "fp8_grad_scale": FP8_GRAD_SCALES,
 }
 
-# Settings that may differ between a checkpoint and the run resuming it.
-RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
-                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
-                     "exact_grad_sum"}
-
-
-def _convert(field: dataclasses.Field, text: str):
-    kind = field.type if isinstance(field.type, type) else type(field.default)
-    if kind is tuple:
-        try:
-            return tuple(int(item) for item in text.split(","))
-        except ValueError:
-            raise ConfigError(f"--{field.name}={text}: expected integers separated by commas") from None
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--{field.name}={text}: expected true or false")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"--{field.name}={text}: expected {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
-
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
     """--preset NAME plus --key=value (or --key value; a bare --flag sets a bool) overrides."""
-    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
-    preset, overrides, i = default_preset, {}, 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; options look like --key=value (see --help)")
-        key, has_value, value = arg[2:].partition("=")
-        if not has_value and key != "preset" and key in fields and fields[key].type in (bool, "bool"):
-            value, has_value = "true", True
-        if not has_value:
-            if i + 1 == len(argv):
-                raise ConfigError(f"--{key} needs a value")
-            i, value = i + 1, argv[i + 1]
-        if key == "preset":
-            if value not in PRESETS:
-                raise ConfigError(f"unknown preset {value!r}; valid presets: {', '.join(PRESETS)}")
-            preset = value
-        elif key not in fields:
-            raise ConfigError(f"unknown hyperparameter {key!r}; valid ones: {', '.join(fields)}")
-        else:
-            overrides[key] = _convert(fields[key], value)
-        i += 1
-    args = dataclasses.replace(Hyperparameters(**PRESETS[preset]), **overrides)
-    return args, preset
+    return support.parse_options(argv, Hyperparameters, PRESETS, default_preset)
 
 
 def check_hyperparameters(args: Hyperparameters, world_size: int):
@@ -1321,17 +1219,6 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
                           f"window_unit={args.window_unit} must be at least 1")
     if args.packed_doc_len < 0:
         raise ConfigError(f"packed_doc_len={args.packed_doc_len} must be >= 0 (0: consecutive tokens)")
-
-
-def usage() -> str:
-    lines = [__doc__.strip(), "", f"presets: {', '.join(PRESETS)} (default: record with CUDA, cpu without)",
-             "hyperparameters (record defaults):"]
-    source = inspect.getsource(Hyperparameters).splitlines()
-    for f in dataclasses.fields(Hyperparameters):
-        comment = next((line.split("#", 1)[1].strip() for line in source if line.strip().startswith(f"{f.name}:")), "")
-        shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else repr(f.default)  # as --key=value takes it
-        lines.append(f"  --{f.name}={shown:<40} {comment}")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1391,9 +1278,8 @@ def cpp_compiler_found() -> bool:
 
 
 def plan_device(args: Hyperparameters, device: torch.device, allocator: str = "") -> DevicePlan:
-    """The plan for args on device: CUDA runs the record's way (FlexAttention, FP8 where the GPU has
-    it, compiled optimizers and FP8 scaling); a CPU uses the same masks densely, the chunked loss and
-    deterministic kernels."""
+    """CUDA runs the record's way (FlexAttention, FP8 where the GPU has it, compiled optimizers and FP8 scaling); a CPU
+    uses the same masks densely, the chunked loss and deterministic kernels."""
     cuda = device.type == "cuda"
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
@@ -1454,10 +1340,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
                      plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
-    """Adam for the lm_head, the embeddings and the scalars (one lr each); Muon for the hidden matrices
-    (attention gates included, as in the record), in the plan's dtype (without one, args.dtype, eager).
-    Each group remembers its initial_lr, which the schedule scales. Value-embedding gates are a few
-    scalars per head and go with the scalars."""
+    """Adam for the lm_head, the embeddings and the scalars (value-embedding gates with them); Muon for the hidden
+    matrices, attention gates included (the record). Each group keeps its initial_lr, which the schedule scales."""
     ve_gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in ve_gates)]
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
@@ -1547,41 +1431,13 @@ class Trainer:
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
-        # Each window compiles graphs of its own (its masks and softmax scale are constants), as in the record: the
-        # model's for training and validation, and uncompiled, flex_attention's per mask and grad mode. Past the
-        # limit dynamo runs eagerly, and eager FlexAttention materializes every score.
+        # Each window compiles its own graphs (training, validation, and flex_attention's per mask and grad mode), as in
+        # the record; past the limit dynamo would run eagerly, and eager FlexAttention materializes every score.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    4 * len({*args.window_stages, args.final_window}))
         self.window = window_at(0, args)
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
-
-    def describe(self) -> list[str]:
-        args, model, buckets = self.args, self.model, self.buckets
-        lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
-                 f"attention-free layer {attention_free_layer(args.num_layers, args.value_embed_layout)}; MLP-free layers "
-                 f"{[i for i, block in enumerate(model.blocks) if block.mlp is None]}; "
-                 f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
-                 f"{'on' if args.attn_gates else 'off'}; long-window layers "
-                 f"{[i for i, long in enumerate(model.long_window) if long]}"]
-        flops = [sum(orthogonalization_flops(p.shape) for p in mine) for mine in self.muon.dealt]
-        lines.append(f"muon: {len(self.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
-                     f"{[round(f / 1e9, 2) for f in flops]}")
-        if self.world_size > 1:
-            lines.append(f"distributed: world size {self.world_size}, backend {dist.get_backend()}, {len(buckets.buckets)} "
-                         f"gradient buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB")
-        else:
-            lines.append("distributed: world size 1, no gradient communication")
-        lines.append(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {self.world_size} ranks x "
-                     f"{self.grad_accum_steps} micro-steps; " + (f"documents packed, each clipped to {args.packed_doc_len} tokens"
-                                                                 if args.packed_doc_len else "consecutive tokens"))
-        scales = ", ".join(f"{window}: {scale:.7f}" for window, scale in model.attention_scales.items())
-        lines.append(f"windows (units of {args.window_unit} tokens; short layers half): {', '.join(map(str, args.window_stages))} "
-                     f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}")
-        lines.append("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
-                     if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in "
-                     "another order (exact_grad_sum=false)")
-        return lines
 
     def move_window(self, step: int):
         self.window = move_window(self.model, self.window, step, self.args)
@@ -1657,15 +1513,6 @@ class Trainer:
             torch.cuda.synchronize()
 
 
-CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
-
-
-def checkpoint_state(trainer: Trainer, step: int, stream: TokenStream, clock: support.TrainingClock) -> dict:
-    return dict(step=step, model=trainer.model.state_dict(), optimizers=[o.state_dict() for o in trainer.optimizers],
-                data=stream.state_dict(), hyperparameters=dataclasses.asdict(trainer.args),
-                clock=dataclasses.asdict(clock))
-
-
 def restore_checkpoint(state: dict, trainer: Trainer, stream: TokenStream) -> tuple[int, dict]:
     """Restores the state in place; returns the step and the training clock to continue from."""
     trainer.model.load_state_dict(state["model"])
@@ -1676,45 +1523,11 @@ def restore_checkpoint(state: dict, trainer: Trainer, stream: TokenStream) -> tu
     return state["step"], state["clock"]
 
 
-def check_resumable(state: dict, path: Path, args: Hyperparameters):
-    saved, now = state["hyperparameters"], dataclasses.asdict(args)
-    mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
-                  if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
-    if mismatched:
-        raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
-
-
-def save_checkpoint(trainer: Trainer, stream: TokenStream, clock: support.TrainingClock, run_id: str,
-                    log: support.RunLog, saved: list[Path], step: int, periodic: bool = False) -> Path:
-    """Called on every rank (Muon gathers its state), written by rank 0 and, once every rank knows it
-    was, added to saved. A periodic save that fails is logged and training goes on; any other raises
-    WriteError on every rank. saved may begin with the checkpoint a resumed run started from."""
-    path = support.checkpoint_path(trainer.args.checkpoint_dir, run_id, step)
-    state, failure = checkpoint_state(trainer, step, stream, clock), None
-    if trainer.rank == 0:
-        try:
-            support.write_checkpoint(path, state)
-        except support.WriteError as e:
-            failure = e
-    written = torch.tensor(int(failure is None), device=trainer.device)
-    if trainer.world_size > 1:
-        dist.broadcast(written, 0)
-    if not written:
-        failure = failure or support.WriteError(f"{path}: rank 0 could not write the checkpoint")
-        if not periodic:
-            raise failure
-        log(f"{failure}; training goes on, the last checkpoint is {saved[-1] if saved else 'none yet'}")
-        return path
-    saved.append(path)
-    return path
-
-
 def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: support.RunLog, run_id: str,
                   start_step: int, clock: support.TrainingClock, stop: support.StopSignals, argv: list[str],
                   checkpoints: list[Path]) -> tuple[dict, dict, list[Path]]:
-    """Steps start_step..num_iterations with validation, logging and checkpoints on schedule, added to
-    checkpoints; returns (val_losses, train_losses, checkpoints). Raises Preempted after the step in
-    which a signal came."""
+    """Steps start_step..num_iterations with validation, logs and checkpoints on schedule; returns (val_losses,
+    train_losses, checkpoints). Raises Preempted after the step in which a signal came."""
     args, rank, world_size = trainer.args, trainer.rank, trainer.world_size
     val_losses, train_losses = {}, {}
 
@@ -1722,7 +1535,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         trainer.synchronize()
         clock.training_ms += 1000 * (time.perf_counter() - t0)
 
-    save = functools.partial(save_checkpoint, trainer, stream, clock, run_id, log, checkpoints)
+    save = functools.partial(support.save_checkpoint, trainer, stream, clock, run_id, log, checkpoints)
 
     trainer.synchronize()
     t0 = time.perf_counter()
@@ -1732,10 +1545,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         if last or (args.val_loss_every and step % args.val_loss_every == 0):
             pause_clock()
             trainer.stop_if_nonfinite()
-            validation_start = time.perf_counter()
-            val_losses[step] = trainer.validate(step, val_sequences)
-            clock.validation_ms += 1000 * (time.perf_counter() - validation_start)
-            clock.validations += 1
+            val_losses[step] = clock.timed_validation(functools.partial(trainer.validate, step, val_sequences))
             log(f"step:{step}/{args.num_iterations} val_loss:{val_losses[step]:.4f} train_time:{clock.training_ms:.0f}ms "
                 f"step_avg:{clock.training_ms / max(clock.timed_steps, 1):.2f}ms")
             trainer.synchronize()
@@ -1772,25 +1582,6 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
     return val_losses, train_losses, checkpoints
 
 
-def final_report(log: support.RunLog, trainer: Trainer, clock: support.TrainingClock, val_losses: dict,
-                 val_entropy: float, checkpoints: list[Path], peak: tuple[float, str]):
-    """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory."""
-    args, buckets = trainer.args, trainer.buckets
-    for path in checkpoints:
-        log(f"checkpoint: {path}", console=False)
-    for line in clock.throughput_lines(args.batch_slots * args.seq_len, support.flops_per_token(trainer.model, args),
-                                       peak, trainer.world_size):
-        log(line)
-    if buckets is not None:
-        log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "
-            f"over {buckets.steps} synchronized steps", console=False)
-    log(f"validation, off the training clock: {clock.validations} x {args.val_tokens:,} tokens in {clock.validation_ms / 1000:.1f} s")
-    final = val_losses[args.num_iterations]
-    log(f"final val loss {final:.4f} nats vs {val_entropy:.4f} for the validation tokens' unigram entropy: "
-        f"{val_entropy - final:.4f} nats below")
-    log(support.peak_memory_line(trainer.device))
-
-
 # ------------------------------------------------------------------------------------------------
 # Main
 
@@ -1817,9 +1608,9 @@ def main(argv: list[str] | None = None) -> dict:
     run_id = args.run_id or str(uuid.uuid4())
     # Every path the run will write or read is checked before the log exists and before training.
     resume_from = support.latest_checkpoint(args.checkpoint_dir, args.run_id) if args.resume == "latest" else Path(args.resume)
-    checkpoint = support.read_checkpoint(resume_from, CHECKPOINT_KEYS) if args.resume else None
+    checkpoint = support.read_checkpoint(resume_from, support.CHECKPOINT_KEYS) if args.resume else None
     if checkpoint is not None:
-        check_resumable(checkpoint, resume_from, args)
+        support.check_resumable(checkpoint, resume_from, args)
     if args.save_checkpoint or args.checkpoint_every:
         support.check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
     log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
@@ -1830,7 +1621,7 @@ def main(argv: list[str] | None = None) -> dict:
         peak = support.matmul_peak(device, DTYPES[plan.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)
         trainer = Trainer(args, rank, world_size, plan)
-        for line in trainer.describe():
+        for line in support.describe_run(trainer):
             log(line, console=False)
         start_step, clock = 0, support.TrainingClock()
         if checkpoint is not None:
@@ -1844,8 +1635,8 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
         val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step,
                                                               clock, stop, argv, [resume_from] if args.resume else [])
-        val_entropy = unigram_entropy(val_sequences, args.vocab_size)
-        final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak)
+        val_entropy = support.unigram_entropy(val_sequences, args.vocab_size)
+        support.final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak)
         return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
                     log_path=log.path, checkpoints=checkpoints, run_id=run_id)
     finally:
@@ -1855,7 +1646,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-        print(usage())
+        print(support.usage(__doc__, Hyperparameters, PRESETS))
         sys.exit(0)
     try:
         main()

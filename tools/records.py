@@ -786,19 +786,8 @@ def readme_text(track_name: str, name: str, date: str, logs: list[Log], prev_not
     return "\n".join(lines)
 
 
-def cmd_submit(args) -> int:
-    if args.track not in TRACKS:
-        raise RecordsError(f"unknown track {args.track!r}; tracks: {', '.join(TRACKS)}")
-    if not NAME_RE.fullmatch(args.name):
-        raise RecordsError(f"name {args.name!r} may hold only letters, digits, '-' and '_'")
-    date = args.date or datetime.date.today().isoformat()
-    try:
-        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
-            raise ValueError
-        datetime.date.fromisoformat(date)
-    except ValueError:
-        raise RecordsError(f"--date {date!r} is not a date of the form YYYY-MM-DD") from None
-    paths = [Path(p) for p in args.logs]
+def submittable_logs(paths: list[Path]) -> list:
+    """The parsed logs of one record's runs: each finished, not resumed, and all of the same source."""
     for path in paths:
         if not path.is_file():
             raise RecordsError(f"{path}: no such log file")
@@ -823,6 +812,23 @@ def cmd_submit(args) -> int:
             added, removed, _ = diff_stat(logs[0].source, log.source)
             raise RecordsError(f"the logs' sources differ: {log.path} vs {logs[0].path} (+{added} -{removed} lines; "
                                f"tools/records.py diff shows them); a record's runs must all run the same code")
+    return logs
+
+
+def cmd_submit(args) -> int:
+    if args.track not in TRACKS:
+        raise RecordsError(f"unknown track {args.track!r}; tracks: {', '.join(TRACKS)}")
+    if not NAME_RE.fullmatch(args.name):
+        raise RecordsError(f"name {args.name!r} may hold only letters, digits, '-' and '_'")
+    date = args.date or datetime.date.today().isoformat()
+    try:
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
+            raise ValueError
+        datetime.date.fromisoformat(date)
+    except ValueError:
+        raise RecordsError(f"--date {date!r} is not a date of the form YYYY-MM-DD") from None
+    paths = [Path(p) for p in args.logs]
+    logs = submittable_logs(paths)
     track_dir = records_dir(args) / args.track
     folder = track_dir / f"{date}_{args.name}"
     if folder.exists():
