@@ -103,7 +103,7 @@ def parse_options(argv: list[str], hyperparameters: type, presets: dict, default
 
 def usage(doc: str, hyperparameters: type, presets: dict) -> str:
     """--help: the script's docstring, the presets, and every hyperparameter with its default and comment."""
-    lines = [doc.strip(), "", f"presets: {', '.join(presets)} (default: record with CUDA, cpu without)",
+    lines = [doc.strip(), "", f"presets: {', '.join(presets)} (default: record with CUDA, cpu without; train_gpt.main)",
              "hyperparameters (record defaults):"]
     source = inspect.getsource(hyperparameters).splitlines()
     for f in dataclasses.fields(hyperparameters):
@@ -202,8 +202,8 @@ def cpu_memory_lines(dtype: str) -> list[str]:
 
 
 def huge_pages_line(dtype: str, environ=os.environ, mode_file: Path = THP_MODE_FILE) -> str:
-    """With THP_MEM_ALLOC_ENABLE=1 torch asks for 2 MB pages on tensors of 2 MB or more; they speed up bfloat16
-    and slow float32 (records/track_cpu/README.md), so ./run.sh asks in bfloat16 runs only."""
+    """Whether large CPU tensors get 2 MB pages (THP_MEM_ALLOC_ENABLE=1 asks for them): they speed up bfloat16 and
+    slow float32 (records/track_cpu/README.md), so ./run.sh asks in bfloat16 runs only."""
     try:
         mode = mode_file.read_text().split("[", 1)[1].split("]", 1)[0]
     except (OSError, IndexError):
@@ -314,7 +314,7 @@ def describe_run(trainer) -> list[str]:
     """The model, Muon's rounds, the distribution, batch, windows and gradient sum of a train_gpt Trainer."""
     args, model, buckets, world_size = trainer.args, trainer.model, trainer.buckets, trainer.world_size
     lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
-             f"attention-free layer {next(i for i, block in enumerate(model.blocks) if block.attn is None)}; MLP-free layers "
+             f"attention-free layer {next((i for i, block in enumerate(model.blocks) if block.attn is None), None)}; MLP-free layers "
              f"{[i for i, block in enumerate(model.blocks) if block.mlp is None]}; "
              f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
              f"{'on' if args.attn_gates else 'off'}; long-window layers "
@@ -400,7 +400,7 @@ def write_checkpoint(path: Path, state: dict):
             tmp.unlink(missing_ok=True)
 
 
-def read_checkpoint(path: Path, keys: set[str]) -> dict:
+def read_checkpoint(path: Path, keys: set[str] = CHECKPOINT_KEYS) -> dict:
     """A checkpoint holding at least `keys`, loaded to CPU without running any pickled code."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -434,8 +434,8 @@ def check_resumable(state: dict, path: Path, args):
 
 def save_checkpoint(trainer, stream, clock: TrainingClock, run_id: str, log: RunLog, saved: list[Path], step: int,
                     periodic: bool = False) -> Path:
-    """Called on every rank (Muon gathers its state), written by rank 0. A periodic save that fails is logged and
-    training goes on; any other raises WriteError on every rank. saved may begin with a resumed run's checkpoint."""
+    """Called on every rank (Muon gathers its state), written by rank 0, added to saved once every rank knows it was.
+    A periodic save that fails is logged and training goes on; any other raises WriteError on every rank."""
     path = checkpoint_path(trainer.args.checkpoint_dir, run_id, step)
     state = dict(step=step, model=trainer.model.state_dict(), optimizers=[o.state_dict() for o in trainer.optimizers],
                  data=stream.state_dict(), hyperparameters=dataclasses.asdict(trainer.args),

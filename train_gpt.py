@@ -5,7 +5,7 @@
     python train_gpt.py --help                                        # presets and every hyperparameter
 
 This file holds every line that can change what a run computes. What only reports or controls a
-run (the command line, the log and its reports, checkpoints, stop signals) is in run_support.py,
+run (the command line, the log and its reports, checkpoint saving, stop signals) is in run_support.py,
 whose source every log holds after this file's. Sections, in the order of the published record:
 setup, FP8 custom ops, optimizers, model (layers, masks, attention, loss, GPT), gradient
 synchronization, data, hyperparameters, the device plan, the training step and loop, main.
@@ -252,7 +252,7 @@ NORMUON_EPS = 1e-10  # keeps NorMuon's divisions finite for an all-zero row or u
 
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden matrices (..., rows, cols). Each rank owns the matrices
-    dealt to it by FLOPs and all-gathers their updates round by round: the same bits at any world size."""
+    dealt to it by FLOPs, orthogonalizes each alone and all-gathers the updates: the same bits at any world size."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
@@ -812,13 +812,13 @@ class GPT(nn.Module):
 
 
 class GradientBuckets:
-    """Gradient averaging over ranks in buckets of about bucket_bytes, each .grad a view of its bucket's flat buffer (no
-    copies); on the last micro-step, the hook of a bucket's last ready gradient launches its async all-reduce."""
+    """Gradient averaging over ranks in buckets of about bucket_bytes: on the last micro-step, the hook of a bucket's
+    last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies)."""
 
     def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
                  sum_dtype: torch.dtype | None = None):
-        # sum_dtype=torch.float64: micro-steps and ranks add into float64 buffers, where a sum of a few float32 or
-        # bf16 numbers is exact, so its order no longer matters: any world size gets the same gradient bits.
+        # sum_dtype=torch.float64: each .grad is added into float64 buffers and dropped, and a sum of a few float32 or
+        # bf16 numbers is exact there, so its order no longer matters: any world size gets the same gradient bits.
         self.world_size, self.sum_dtype = world_size, sum_dtype
         self.buckets: list[list[nn.Parameter]] = []
         size, dtype = bucket_bytes, None
@@ -946,7 +946,7 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 
 
 class TokenStream:
-    """Each step's batch: num_slots sequences of seq_len + 1 tokens, rank r taking slots r, r + W, ...: consecutive
+    """Each step's batch: num_slots sequences of seq_len + 1 tokens, rank r of W taking slots r, r + W, ...: consecutive
     tokens, or packed documents (the record). A shard is read when first needed, on the clock, as the record does."""
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
@@ -980,8 +980,8 @@ class TokenStream:
         return self.tokens is not None and self.shard_index not in self.checked
 
     def check_shard(self):
-        """Token ids, once a shard: the record has no such check, so the loop runs it off the clock (the first
-        shard, or a resumed run's, when the stream is made or restored: before anything is written)."""
+        """Checks the current shard's token ids, once: not the record's check, so the loop runs it off the clock (the
+        first shard's, or a resumed run's, when the stream is made or restored: before anything is written)."""
         if self.unchecked:
             check_token_ids(self.paths[self.shard_index], self.tokens, self.vocab_size)
             self.checked.add(self.shard_index)
@@ -1179,7 +1179,7 @@ CHOICES = {
 
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
-    """--preset NAME plus --key=value (or --key value; a bare --flag sets a bool) overrides."""
+    """Hyperparameters of --preset NAME and --key=value overrides (run_support.parse_options)."""
     return support.parse_options(argv, Hyperparameters, PRESETS, default_preset)
 
 
@@ -1340,8 +1340,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
                      plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
-    """Adam for the lm_head, the embeddings and the scalars (value-embedding gates with them); Muon for the hidden
-    matrices, attention gates included (the record). Each group keeps its initial_lr, which the schedule scales."""
+    """Adam for the lm_head, the embeddings and the scalars (value-embedding gates too: a few scalars a head); Muon for
+    the hidden matrices, attention gates included (the record). Each group keeps its initial_lr for the schedule."""
     ve_gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in ve_gates)]
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
@@ -1431,8 +1431,8 @@ class Trainer:
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
-        # Each window compiles its own graphs (training, validation, and flex_attention's per mask and grad mode), as in
-        # the record; past the limit dynamo would run eagerly, and eager FlexAttention materializes every score.
+        # Each window compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's per
+        # mask and grad mode); past the limit dynamo would run eagerly, and eager FlexAttention materializes every score.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    4 * len({*args.window_stages, args.final_window}))
         self.window = window_at(0, args)
@@ -1608,7 +1608,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_id = args.run_id or str(uuid.uuid4())
     # Every path the run will write or read is checked before the log exists and before training.
     resume_from = support.latest_checkpoint(args.checkpoint_dir, args.run_id) if args.resume == "latest" else Path(args.resume)
-    checkpoint = support.read_checkpoint(resume_from, support.CHECKPOINT_KEYS) if args.resume else None
+    checkpoint = support.read_checkpoint(resume_from) if args.resume else None
     if checkpoint is not None:
         support.check_resumable(checkpoint, resume_from, args)
     if args.save_checkpoint or args.checkpoint_every:

@@ -101,3 +101,18 @@ def test_unknown_names_slices_and_laptop_parts_have_no_datasheet_peak():
     for name in ("NVIDIA RTX A6000", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA GeForce RTX 4090 Laptop GPU"):
         assert support.datasheet_peak(name) is None, name
     assert support.datasheet_peak("NVIDIA GeForce RTX 4090") == 165e12
+
+
+def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_path):
+    """The companion names train_gpt's settings by string: a renamed field must not slip through unchecked."""
+    import dataclasses
+
+    import train_gpt
+    fields = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
+    assert support.RESUMABLE_CHANGES <= fields
+    saved = dataclasses.asdict(train_gpt.Hyperparameters())
+    for name in sorted(support.RESUMABLE_CHANGES):  # each may change alone
+        support.check_resumable({"hyperparameters": saved}, tmp_path, dataclasses.replace(
+            train_gpt.Hyperparameters(), **{name: not saved[name] if isinstance(saved[name], bool) else type(saved[name])()}))
+    with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.05, now 0.06\)"):
+        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(muon_lr=0.06))

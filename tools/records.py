@@ -786,7 +786,7 @@ def readme_text(track_name: str, name: str, date: str, logs: list[Log], prev_not
     return "\n".join(lines)
 
 
-def submittable_logs(paths: list[Path]) -> list:
+def submittable_logs(paths: list[Path]) -> list[Log]:
     """The parsed logs of one record's runs: each finished, not resumed, and all of the same source."""
     for path in paths:
         if not path.is_file():

@@ -106,7 +106,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     training left them (they are not in the checkpoint). A file that does not hold such a model
     raises a one-line ConfigError naming it."""
     path = Path(path)
-    state = run_support.read_checkpoint(path, run_support.CHECKPOINT_KEYS)
+    state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
     max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
