@@ -331,7 +331,8 @@ def describe_run(trainer) -> list[str]:
                                                                 if args.packed_doc_len else "consecutive tokens"))
     scales = ", ".join(f"{window}: {scale:.7f}" for window, scale in model.attention_scales.items())
     lines.append(f"windows (units of {args.window_unit} tokens; short layers half): {', '.join(map(str, args.window_stages))} "
-                 f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}")
+                 f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}; "
+                 f"rotary {'rescaled (YaRN) at each change' if args.yarn else 'unchanged (yarn=false)'}")
     lines.append("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
                  if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in "
                  "another order (exact_grad_sum=false)")

@@ -1082,6 +1082,7 @@ class Hyperparameters:
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of training; short-window layers get half (rounded down)
     final_window: int = 13  # long window in window units for the final validation
     window_unit: int = 128  # tokens per window unit (the record: one 128-token block)
+    yarn: bool = True  # rescale the rotary frequencies (YaRN) at each window change, as the record; false: keep them
     # model
     vocab_size: int = 50257  # GPT-2 tokens; the lm_head is padded to a multiple of 128
     num_layers: int = 12  # even: the first half feeds the second through U-net skips
@@ -1144,6 +1145,7 @@ PRESETS = {
         window_stages=(2, 4, 8, 16, 32),  # 64 to 1024 tokens: 128-token units start too wide for 260 steps
         final_window=32,
         window_unit=32,  # (records/track_cpu/README.md)
+        yarn=False,  # the record's rescale at each of these four window changes gave higher losses here
         first_layer_mlp=True,  # the record's MLP-free layer 0 is unmeasured alone at this size
         attention_scale=0.12,
         attention_scale_growth=0.0,  # constant: the record's growth gave higher losses here
@@ -1378,10 +1380,10 @@ def window_at(step: int, args: Hyperparameters) -> int:
 
 
 def move_window(model: GPT, window: int, step: int, args: Hyperparameters) -> int:
-    """The long window of step, the rotary frequencies rescaled (YaRN) when it differs from window, the
-    model's until now. Rescales compound: a model restored at step s moves through steps 0..s."""
+    """The long window of step, the rotary frequencies rescaled (YaRN, unless args.yarn is off) when it differs from
+    window, the model's until now. Rescales compound: a model restored at step s moves through steps 0..s."""
     new = window_at(step, args)
-    if new != window:
+    if new != window and args.yarn:
         model.rotary.rescale(window, new)
     return new
 

@@ -86,7 +86,7 @@ os.environ.setdefault("TRAIN_GPT_ALLOW_CPU", "1")
 TINY_VOCAB = 1000
 TINY_RUN = ["--preset=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
             "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--dtype=float32",
-            "--compile=false", f"--vocab_size={TINY_VOCAB}",
+            "--compile=false", f"--vocab_size={TINY_VOCAB}", "--yarn=true",  # the record's rotary, rescaled at each window
             "--cooldown_frac=0.6"]  # runs of a few steps learn more with the lr held a while before it decays
 
 

@@ -304,7 +304,8 @@ class RescaleSpy:
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
     cpu_changes = [(53, (2, 4)), (105, (4, 8)), (157, (8, 16)), (209, (16, 32))]
-    for args, expected in ((RECORD, [(557, (3, 7)), (1114, (7, 11)), (1670, (11, 13))]), (CPU, cpu_changes)):
+    for args, expected in ((RECORD, [(557, (3, 7)), (1114, (7, 11)), (1670, (11, 13))]),
+                           (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):
             before = len(spy.calls)
@@ -312,6 +313,19 @@ def test_move_window_rescales_only_when_the_window_changes():
             assert window == train_gpt.window_at(step, args)
             seen += [(step, call) for call in spy.calls[before:]]
         assert seen == expected
+
+
+def test_move_window_without_yarn_changes_windows_and_never_rescales():
+    """yarn=false: the windows move at the same steps, and the rotary keeps its frequencies (a fresh model's)."""
+    args = dataclasses.replace(CPU, yarn=False)
+    spy, window, model = RescaleSpy(), train_gpt.window_at(0, args), train_gpt.build_model(args, 1024)
+    freqs = model.rotary.freqs.clone()
+    for step in range(args.num_iterations + 1):
+        window = train_gpt.move_window(spy, window, step, args)
+        assert window == train_gpt.window_at(step, args)
+    assert spy.calls == [] and window == args.final_window
+    assert train_gpt.replay_windows(model, args.num_iterations, args) == args.final_window
+    assert torch.equal(model.rotary.freqs, freqs)
 
 
 def hand_neuron_normalization(update, second_moment, beta2, per_row):

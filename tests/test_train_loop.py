@@ -57,7 +57,7 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
                  "MLP-free layers []; ", "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
                  "windows (units of 32 tokens; short layers half): 2, 4, 8, 16, 32 in equal parts of training, 32 for "
                  "the final validation; softmax scale by window 2: 0.1200000, 4: 0.1200000, 8: 0.1200000, 16: 0.1200000, "
-                 "32: 0.1200000\n"):
+                 "32: 0.1200000; rotary rescaled (YaRN) at each change\n"):
         assert line in header, line
     assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
 
@@ -383,6 +383,7 @@ def test_record_preset_is_the_published_record():
     assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.8, 0.95, 1e-10)
     assert args.attn_gates and args.packed_doc_len == 2048 and args.warmup_steps == 30
     assert (args.window_stages, args.final_window, args.attention_scale, args.first_layer_mlp) == ((3, 7, 11), 13, 0.1, False)
+    assert args.yarn
     # the ideas under measurement on the CPU track are off
     assert (args.loss_chunk, args.muon_neuron_beta2, args.muon_cautious_wd, args.value_embed_layout,
             args.value_embed_gates, args.dtype) == (0, 0.0, 0.0, "u", False, "bfloat16")
@@ -394,7 +395,8 @@ def test_record_preset_is_the_published_record():
                                timeout=120).stdout
     assert "--orthogonalizer='newton_schulz'" in help_text and "--fp8_grad_scale='record'" in help_text
     for shown in ("--num_iterations=1670", "--cooldown_frac=0.5", "--window_stages=3,7,11", "--final_window=13",
-                  "--packed_doc_len=2048", "--warmup_steps=30", "--first_layer_mlp=False", "--attention_scale=0.1"):
+                  "--packed_doc_len=2048", "--warmup_steps=30", "--first_layer_mlp=False", "--attention_scale=0.1",
+                  "--yarn=True"):
         assert shown in help_text, shown
 
 
