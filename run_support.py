@@ -427,8 +427,9 @@ def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
 
 def check_resumable(state: dict, path: Path, args):
     saved, now = state["hyperparameters"], dataclasses.asdict(args)
-    mismatched = [f"{k} (checkpoint {saved.get(k)!r}, now {now[k]!r})" for k in now
-                  if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    mismatched = [f"{k} (checkpoint {saved[k]!r}, now {now[k]!r})" if k in saved else
+                  f"{k} (now {now[k]!r}; the checkpoint predates this setting)"
+                  for k in now if k not in RESUMABLE_CHANGES and saved.get(k, object()) != now[k]]
     if mismatched:
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
 

@@ -317,7 +317,8 @@ def test_move_window_rescales_only_when_the_window_changes():
 
 def test_move_window_without_yarn_changes_windows_and_never_rescales():
     """yarn=false: the windows move at the same steps, and the rotary keeps its frequencies (a fresh model's)."""
-    args = dataclasses.replace(CPU, yarn=False)
+    assert not CPU.yarn  # the cpu preset's choice (records/track_cpu/README.md)
+    args = CPU
     spy, window, model = RescaleSpy(), train_gpt.window_at(0, args), train_gpt.build_model(args, 1024)
     freqs = model.rotary.freqs.clone()
     for step in range(args.num_iterations + 1):

@@ -116,3 +116,6 @@ def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_pat
             train_gpt.Hyperparameters(), **{name: not saved[name] if isinstance(saved[name], bool) else type(saved[name])()}))
     with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.05, now 0.06\)"):
         support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(muon_lr=0.06))
+    del saved["yarn"]  # a checkpoint made before the setting existed
+    with pytest.raises(support.ConfigError, match=r"yarn \(now True; the checkpoint predates this setting\)"):
+        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters())

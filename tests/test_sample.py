@@ -81,6 +81,23 @@ def trained(tmp_path_factory):
     return result["checkpoints"][-1], successor, result
 
 
+def test_loaded_rotary_follows_the_checkpoints_yarn(trained, tmp_path):
+    """yarn=false: the base frequencies at any step; a checkpoint saved before the setting existed was
+    made with YaRN on, so its frequencies are rescaled (from window 2 to 3 here), as yarn=true's are."""
+    checkpoint = trained[0]
+    state = torch.load(checkpoint, weights_only=True)
+    rescaled = train_gpt.Rotary(64, 512)
+    rescaled.rescale(2, 3)
+    for yarn, expected in ((False, train_gpt.Rotary(64, 512).freqs), (None, rescaled.freqs), (True, rescaled.freqs)):
+        if yarn is None:
+            state["hyperparameters"].pop("yarn")
+        else:
+            state["hyperparameters"]["yarn"] = yarn
+        torch.save(state, tmp_path / "edited.pt")
+        model, window = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
+        assert window == 3 and torch.equal(model.rotary.freqs, expected), yarn
+
+
 def test_loaded_model_gives_the_runs_final_validation_loss(trained):
     """load_model's model (float32, as trained) at the checkpoint's window (3) gives the validation loss
     the run logged at its last step: its rotary was rescaled from window 2 as the run's was. With the

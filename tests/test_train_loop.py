@@ -62,11 +62,12 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
 
 
-def test_resume_is_bitwise_identical(tiny_shards, tmp_path):
+@pytest.mark.parametrize("yarn", ["true", "false"])
+def test_resume_is_bitwise_identical(tiny_shards, tmp_path, yarn):
     """Through a window change at every step from step 2: the resumed run must replay the rescales of
-    steps 2 and 3 (one rescale from 1 to 3 is another rotary) and go on with the rest."""
+    steps 2 and 3 (one rescale from 1 to 3 is another rotary) and go on with the rest; without YaRN, none."""
     common = ["--num_iterations=6", "--val_loss_every=3", "--train_loss_every=1", "--save_checkpoint",
-              "--window_stages=1,2,3,4,5,6", "--final_window=7"]
+              "--window_stages=1,2,3,4,5,6", "--final_window=7", f"--yarn={yarn}"]
     full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=3", run_id="full")
     halfway = tmp_path / "ckpt" / "full" / "step_000003.pt"
     assert halfway in full["checkpoints"] and halfway.exists()
@@ -84,6 +85,8 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path):
     steady_line = re.compile(r"^throughput after step 1", re.MULTILINE)  # a line of the log, not of its source
     assert steady_line.search(Path(full["log_path"]).read_text())
     assert not steady_line.search(Path(resumed["log_path"]).read_text())
+    said = "rotary rescaled (YaRN) at each change" if yarn == "true" else "rotary unchanged (yarn=false)"
+    assert said in Path(full["log_path"]).read_text().split("=" * 100)[-1]
 
 
 def test_restore_replays_every_window_change_up_to_its_step():

@@ -25,8 +25,8 @@ import train_gpt
 
 
 def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int]:
-    """A model of the preset's shape at its end-of-training window (its rotary rescaled at each window
-    change, as training leaves it), with random weights everywhere (the zero-initialized output layers
+    """A model of the preset's shape at its end-of-training window (its rotary as training leaves it: rescaled
+    at each window change when the preset's yarn is on), with random weights everywhere (the zero-initialized output layers
     too, so the greedy tokens vary)."""
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
     torch.manual_seed(0)

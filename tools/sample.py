@@ -102,8 +102,8 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
                dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
     """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, in
     dtype (in_dtype), by default the one it trained in; and the long window (in window units) it had at the
-    checkpoint's step, its rotary frequencies rescaled at every window change up to there, as
-    training left them (they are not in the checkpoint). A file that does not hold such a model
+    checkpoint's step, its rotary frequencies as training left them (they are not in the checkpoint):
+    rescaled at every window change up to there when its yarn is on. A file that does not hold such a model
     raises a one-line ConfigError naming it."""
     path = Path(path)
     state = run_support.read_checkpoint(path)
