@@ -429,7 +429,7 @@ def check_resumable(state: dict, path: Path, args):
     saved, now = state["hyperparameters"], dataclasses.asdict(args)
     mismatched = [f"{k} (checkpoint {saved[k]!r}, now {now[k]!r})" if k in saved else
                   f"{k} (now {now[k]!r}; the checkpoint predates this setting)"
-                  for k in now if k not in RESUMABLE_CHANGES and saved.get(k, object()) != now[k]]
+                  for k in now if k not in RESUMABLE_CHANGES and (k not in saved or saved[k] != now[k])]
     if mismatched:
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
 
