@@ -371,10 +371,6 @@ def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, v
 
 CHECKPOINT_NAME = "step_{:06d}.pt"  # zero-padded: names sort by step
 CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
-# Settings that may differ between a checkpoint and the run resuming it.
-RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
-                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
-                     "exact_grad_sum"}
 
 
 def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
@@ -401,16 +397,16 @@ def write_checkpoint(path: Path, state: dict):
             tmp.unlink(missing_ok=True)
 
 
-def read_checkpoint(path: Path, keys: set[str] = CHECKPOINT_KEYS) -> dict:
-    """A checkpoint holding at least `keys`, loaded to CPU without running any pickled code."""
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint holding at least CHECKPOINT_KEYS, loaded to CPU without running any pickled code."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such checkpoint") from None
     except Exception as e:  # unpickling raises many types; any of them means the same to the user
         raise ConfigError(f"{path}: not a readable checkpoint of train_gpt.py ({str(e).strip().splitlines()[0]})") from None
-    if not isinstance(state, dict) or not keys <= state.keys():
-        raise ConfigError(f"{path}: not a checkpoint of train_gpt.py (it lacks {', '.join(sorted(keys))})")
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise ConfigError(f"{path}: not a checkpoint of train_gpt.py (it lacks {', '.join(sorted(CHECKPOINT_KEYS))})")
     return state
 
 
@@ -425,11 +421,12 @@ def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
     return found[-1]
 
 
-def check_resumable(state: dict, path: Path, args):
+def check_resumable(state: dict, path: Path, args, resumable: set[str]):
+    """Refuses a checkpoint whose hyperparameters differ from args in any setting outside resumable."""
     saved, now = state["hyperparameters"], dataclasses.asdict(args)
     mismatched = [f"{k} (checkpoint {saved[k]!r}, now {now[k]!r})" if k in saved else
                   f"{k} (now {now[k]!r}; the checkpoint predates this setting)"
-                  for k in now if k not in RESUMABLE_CHANGES and (k not in saved or saved[k] != now[k])]
+                  for k in now if k not in resumable and (k not in saved or saved[k] != now[k])]
     if mismatched:
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
 

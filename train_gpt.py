@@ -550,7 +550,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     return torch.cat(blocks, dim=2)
 
 
-def attention_scales(windows, first_scale: float, growth: float = 0.2) -> dict[int, float]:
+def attention_scales(windows, first_scale: float, growth: float) -> dict[int, float]:
     """The softmax scale (QK-normed, so no 1/sqrt(d)) for each window of a run in order: first_scale,
     times 1 + growth ln(new / previous) at each new window (longer windows, sharper attention)."""
     distinct = list(dict.fromkeys(windows))
@@ -1179,6 +1179,11 @@ CHOICES = {
     "fp8_grad_scale": FP8_GRAD_SCALES,
 }
 
+# Settings that may differ between a checkpoint and the run resuming it.
+RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
+                     "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
+                     "exact_grad_sum"}
+
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
     """Hyperparameters of --preset NAME and --key=value overrides (run_support.parse_options)."""
@@ -1407,6 +1412,11 @@ def muon_weight_decay(step: int, args: Hyperparameters) -> float:
     return args.muon_cautious_wd * (1 - step / args.num_iterations)
 
 
+# Each window compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's per mask
+# and grad mode); past dynamo's recompile limit it would run eagerly, and eager FlexAttention materializes every score.
+GRAPHS_PER_WINDOW = 4
+
+
 class Trainer:
     """This rank's model, optimizers and gradient synchronization, and what a run does with them:
     training steps and validation. Identical on every rank after construction."""
@@ -1433,10 +1443,8 @@ class Trainer:
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
-        # Each window compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's per
-        # mask and grad mode); past the limit dynamo would run eagerly, and eager FlexAttention materializes every score.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   4 * len({*args.window_stages, args.final_window}))
+                                                   GRAPHS_PER_WINDOW * len(self.model.attention_scales))
         self.window = window_at(0, args)
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
@@ -1612,7 +1620,7 @@ def main(argv: list[str] | None = None) -> dict:
     resume_from = support.latest_checkpoint(args.checkpoint_dir, args.run_id) if args.resume == "latest" else Path(args.resume)
     checkpoint = support.read_checkpoint(resume_from) if args.resume else None
     if checkpoint is not None:
-        support.check_resumable(checkpoint, resume_from, args)
+        support.check_resumable(checkpoint, resume_from, args, RESUMABLE_CHANGES)
     if args.save_checkpoint or args.checkpoint_every:
         support.check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
     log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)

@@ -78,6 +78,7 @@ def test_the_loop_itself():
                              [0, 0, 0, 1, 1, 0],
                              [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(per_query_loop(torch.tensor([EOT, 5, 6, EOT, 7, 8]), 1), expected)
+    assert torch.equal(loop_mask("long_document", 0), torch.eye(T, dtype=torch.bool))  # window 0: each query alone
 
 
 @pytest.mark.parametrize("kind", TOKEN_KINDS)
@@ -138,7 +139,6 @@ def test_long_and_short_masks():
                 long, short = visited_pairs(long)[0], visited_pairs(short)[0]
             assert torch.equal(long, loop_mask("long_document", window_blocks * BLOCK))
             assert torch.equal(short, loop_mask("long_document", short_tokens))
-    assert torch.equal(loop_mask("long_document", 0), torch.eye(T, dtype=torch.bool))
     # in units of another size (window_unit): 5 units of 24 tokens, the short window 2 of them
     long, short = train_gpt.attention_masks(tokens, 5, "sdpa", unit=24)
     assert torch.equal(long, loop_mask("long_document", 120)) and torch.equal(short, loop_mask("long_document", 48))

@@ -1,6 +1,7 @@
 """Orthogonalization, Muon, and the learning-rate / momentum / window / attention-scale schedules."""
 
 import dataclasses
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -184,6 +185,7 @@ def test_record_muon_work_is_balanced_over_8_ranks():
     params = muons[0].param_groups[0]["params"]
     assert len(params) == 44
     flops = [sum(train_gpt.orthogonalization_flops(p.shape) for p in mine) for mine in muons[0].dealt]
+    assert muons[0].flops_per_rank == flops  # what the log reports
     print("record Muon orthogonalization GFLOPs per rank (8 ranks):", [round(f / 1e9, 1) for f in flops])
     assert max(flops) / min(flops) <= 1.25
     assert sum(flops) == sum(train_gpt.orthogonalization_flops(p.shape) for p in params)
@@ -246,16 +248,16 @@ def test_muon_momentum():
 
 @pytest.mark.parametrize("args", [RECORD, CPU], ids=["record", "cpu"])
 def test_window_at(args):
-    """Stage i of k holds the steps with k * step // (N + 1) == i: steps 0..N in parts that differ by at
-    most one, the last step (the final validation only) taken from the last part for final_window."""
+    """Steps 0..N-1 go through the stages in order, in parts that differ by at most one when the last
+    counts step N, which alone (the final validation) has final_window."""
     N, stages = args.num_iterations, args.window_stages
     values = [train_gpt.window_at(step, args) for step in range(N + 1)]
     assert values[-1] == args.final_window
-    lengths = [sum(1 for step in range(N) if len(stages) * step // (N + 1) == i) for i in range(len(stages))]
-    parts = lengths[:-1] + [lengths[-1] + 1]
-    assert max(parts) - min(parts) <= 1 and sum(lengths) == N
-    expected = [window for window, length in zip(stages, lengths) for _ in range(length)]
-    assert values[:-1] == expected
+    runs = [(window, len(list(steps))) for window, steps in itertools.groupby(values[:-1])]
+    assert [window for window, _ in runs] == list(stages)  # each stage once, in order
+    parts = [length for _, length in runs]
+    parts[-1] += 1  # the final validation's step
+    assert max(parts) - min(parts) <= 1 and sum(parts) == N + 1
 
 
 def test_window_at_record_boundaries():
@@ -273,7 +275,7 @@ def test_window_at_record_boundaries():
 def test_attention_scales_record():
     """0.1 at the first window, then times 1 + 0.2 ln(new / previous) at each new window, by hand; the
     published values to 7 decimals. A repeated window keeps its scale (cpu preset: 8 throughout)."""
-    scales = train_gpt.attention_scales((3, 7, 11, 13), 0.1)
+    scales = train_gpt.attention_scales((3, 7, 11, 13), 0.1, growth=0.2)
     by_hand = {3: 0.1}
     by_hand[7] = by_hand[3] * (1 + 0.2 * math.log(7 / 3))
     by_hand[11] = by_hand[7] * (1 + 0.2 * math.log(11 / 7))
@@ -281,8 +283,8 @@ def test_attention_scales_record():
     assert list(scales) == [3, 7, 11, 13]
     assert scales == pytest.approx(by_hand, rel=1e-12)
     assert {w: round(s, 7) for w, s in scales.items()} == {3: 0.1, 7: 0.1169460, 11: 0.1275175, 13: 0.1317780}
-    assert train_gpt.attention_scales((8, 8), 0.12) == {8: 0.12}
-    assert train_gpt.attention_scales((2, 2, 4, 4), 0.1) == pytest.approx({2: 0.1, 4: 0.1 * (1 + 0.2 * math.log(2))})
+    assert train_gpt.attention_scales((8, 8), 0.12, growth=0.2) == {8: 0.12}
+    assert train_gpt.attention_scales((2, 2, 4, 4), 0.1, growth=0.2) == pytest.approx({2: 0.1, 4: 0.1 * (1 + 0.2 * math.log(2))})
     assert train_gpt.attention_scales((2, 4, 8), 0.1, growth=0.5) == pytest.approx(
         {2: 0.1, 4: 0.1 * (1 + 0.5 * math.log(2)), 8: 0.1 * (1 + 0.5 * math.log(2)) ** 2})
     assert train_gpt.attention_scales((2, 4, 8), 0.12, growth=0) == {2: 0.12, 4: 0.12, 8: 0.12}

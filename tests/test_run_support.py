@@ -104,18 +104,22 @@ def test_unknown_names_slices_and_laptop_parts_have_no_datasheet_peak():
 
 
 def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_path):
-    """The companion names train_gpt's settings by string: a renamed field must not slip through unchecked."""
+    """RESUMABLE_CHANGES names Hyperparameters fields, each of which alone may differ on resume; no other may."""
     import dataclasses
 
     import train_gpt
     fields = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
-    assert support.RESUMABLE_CHANGES <= fields
+    assert train_gpt.RESUMABLE_CHANGES <= fields
     saved = dataclasses.asdict(train_gpt.Hyperparameters())
-    for name in sorted(support.RESUMABLE_CHANGES):  # each may change alone
-        support.check_resumable({"hyperparameters": saved}, tmp_path, dataclasses.replace(
-            train_gpt.Hyperparameters(), **{name: not saved[name] if isinstance(saved[name], bool) else type(saved[name])()}))
+    for name in sorted(train_gpt.RESUMABLE_CHANGES):  # each may change alone
+        value = saved[name]
+        changed = not value if isinstance(value, bool) else value + ("x" if isinstance(value, str) else 1)
+        support.check_resumable({"hyperparameters": saved}, tmp_path,
+                                dataclasses.replace(train_gpt.Hyperparameters(), **{name: changed}),
+                                train_gpt.RESUMABLE_CHANGES)
     with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.05, now 0.06\)"):
-        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(muon_lr=0.06))
+        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(muon_lr=0.06),
+                                train_gpt.RESUMABLE_CHANGES)
     del saved["yarn"]  # a checkpoint made before the setting existed
     with pytest.raises(support.ConfigError, match=r"yarn \(now True; the checkpoint predates this setting\)"):
-        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters())
+        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(), train_gpt.RESUMABLE_CHANGES)

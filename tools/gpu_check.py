@@ -138,7 +138,7 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
     tokens = record_like_tokens(num_tokens, device)
     record = train_gpt.Hyperparameters()
     windows = (*record.window_stages, record.final_window)
-    scales = train_gpt.attention_scales(windows, record.attention_scale)
+    scales = train_gpt.attention_scales(windows, record.attention_scale, record.attention_scale_growth)
     # (window in tokens, scale): as the attention layers see them, then two that are no multiple of a block
     cases = [(blocks * train_gpt.BLOCK_SIZE, scales[w]) for w in windows[:stages] for blocks in (w, w // 2)]
     cases += [(train_gpt.BLOCK_SIZE + 1, scales[windows[0]]), (3 * train_gpt.BLOCK_SIZE - 50, scales[windows[0]])]
