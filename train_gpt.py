@@ -951,7 +951,7 @@ class TokenStream:
 
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False, packed_doc_len: int = 0):
-        self.paths = shard_paths(pattern, "train")
+        self.pattern, self.paths = pattern, shard_paths(pattern, "train")
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
         self.pin_memory, self.packed_doc_len = pin_memory, packed_doc_len
         self.span = num_slots * seq_len  # tokens a batch reads, unpacked
@@ -991,7 +991,8 @@ class TokenStream:
 
     def load_state_dict(self, state: dict):
         if state["shard_index"] >= len(self.paths):
-            raise DataError(f"checkpoint reads shard #{state['shard_index']} but only {len(self.paths)} shards match")
+            raise DataError(f"the checkpoint's data position is in train shard #{state['shard_index']}, but only "
+                            f"{len(self.paths)} shards match {self.pattern!r}; resume with the shards it trained on")
         self.shard_index, self.pos, self.epoch = state["shard_index"], state["pos"], state["epoch"]
         self._read(self.shard_index)
         self.check_shard()
@@ -1523,12 +1524,12 @@ class Trainer:
             torch.cuda.synchronize()
 
 
-def restore_checkpoint(state: dict, trainer: Trainer, stream: TokenStream) -> tuple[int, dict]:
-    """Restores the state in place; returns the step and the training clock to continue from."""
+def restore_checkpoint(state: dict, trainer: Trainer) -> tuple[int, dict]:
+    """Restores the model and optimizers in place (main restores the data stream before the log exists);
+    returns the step and the training clock to continue from."""
     trainer.model.load_state_dict(state["model"])
     for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
-    stream.load_state_dict(state["data"])
     trainer.window = replay_windows(trainer.model, state["step"], trainer.args)
     return state["step"], state["clock"]
 
@@ -1621,6 +1622,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = support.read_checkpoint(resume_from) if args.resume else None
     if checkpoint is not None:
         support.check_resumable(checkpoint, resume_from, args, RESUMABLE_CHANGES)
+        stream.load_state_dict(checkpoint["data"])  # reads and checks the shard it resumes in
     if args.save_checkpoint or args.checkpoint_every:
         support.check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
     log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
@@ -1635,7 +1637,7 @@ def main(argv: list[str] | None = None) -> dict:
             log(line, console=False)
         start_step, clock = 0, support.TrainingClock()
         if checkpoint is not None:
-            start_step, saved_clock = restore_checkpoint(checkpoint, trainer, stream)
+            start_step, saved_clock = restore_checkpoint(checkpoint, trainer)
             clock = support.TrainingClock(**{**saved_clock, "first_step_ms": 0.0})  # this process compiles again, later
             del checkpoint
             log(f"resumed from {resume_from} at step {start_step}" + (f"; continues the log {continues}" if continues else ""))

@@ -17,6 +17,7 @@ import torch
 from conftest import TINY_RUN, TINY_VOCAB
 from test_distributed import TRAIN_GPT, env, finish, start, torchrun
 
+import run_support
 import shards
 
 RESUME_LINE = re.compile(r"^stopped by (SIG\w+) after step (\d+); resume with: (.+)$", re.MULTILINE)
@@ -126,6 +127,28 @@ def test_resuming_from_something_that_is_no_checkpoint_is_refused(tiny_shards, t
                       f"--log_dir={tmp_path / 'logs'}")
     assert_one_line_error(proc, expected)
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_checkpoint_past_the_shards_that_match_is_refused_before_the_log(tiny_shards, tmp_path):
+    """The data position is restored and its shard checked before the log exists, like every other input."""
+    first = run_script(tmp_path, *tiny_shards, "--num_iterations=1", "--save_checkpoint", "--run_id=first",
+                       f"--checkpoint_dir={tmp_path / 'ck'}", f"--log_dir={tmp_path / 'logs'}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    state = torch.load(tmp_path / "ck" / "first" / "step_000001.pt", weights_only=True)
+    state["data"]["shard_index"] = 1  # as if its shard had been deleted since: one train shard matches
+    torch.save(state, tmp_path / "moved.pt")
+    proc = run_script(tmp_path, *tiny_shards, "--num_iterations=1", "--run_id=second", f"--resume={tmp_path / 'moved.pt'}",
+                      f"--log_dir={tmp_path / 'logs'}")
+    assert_one_line_error(proc, "the checkpoint's data position is in train shard #1, but only 1 shards match")
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["first.txt"]
+
+
+def test_resume_latest_picks_the_highest_step_and_never_a_partial_write(tmp_path):
+    folder = tmp_path / "ck" / "run"
+    folder.mkdir(parents=True)
+    for name in ("step_000003.pt", "step_000100.pt", "step_000012.pt", "step_000200.pt.tmp"):
+        (folder / name).touch()
+    assert run_support.latest_checkpoint(str(tmp_path / "ck"), "run") == folder / "step_000100.pt"
 
 
 def test_resume_latest_without_checkpoints_names_the_folder(tiny_shards, tmp_path):

@@ -5,6 +5,7 @@ import pytest
 
 import atomic_file
 import shards
+import train_gpt
 
 
 def raw_shard(tokens, magic=20240520, version=1, count=None):
@@ -53,6 +54,26 @@ def test_corrupt_shards_are_rejected_with_their_reason(tmp_path, data, message):
             read(path)
         assert message in str(err.value)
         assert str(err.value).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\x00" * 1000, "1000 bytes is shorter than the 1024-byte shard header"),
+        (raw_shard([1, 2], magic=12345), "bad magic 12345 (expected 20240520); not a token shard"),
+        (raw_shard([1, 2], version=2), "unsupported shard version 2 (expected 1)"),
+        (raw_shard([1, 2], count=3), "header says 3 tokens but the file holds 2; the file is truncated or corrupt"),
+        (raw_shard([1, 2], count=1), "header says 1 tokens but the file holds 2; the file is truncated or corrupt"),
+    ],
+    ids=["short", "magic", "version", "count-too-large", "count-too-small"],
+)
+def test_the_training_script_refuses_a_corrupt_shard_naming_it(tmp_path, data, message):
+    """train_gpt.py reads shards with its own code (the record path imports nothing from data/)."""
+    path = tmp_path / "bad.bin"
+    path.write_bytes(data)
+    with pytest.raises(train_gpt.DataError) as err:
+        train_gpt.load_shard(path, 50257)
+    assert str(err.value) == f"{path}: {message}"
 
 
 def test_tokens_outside_the_vocabulary_are_named(tmp_path):

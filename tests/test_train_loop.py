@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -96,13 +95,12 @@ def test_restore_replays_every_window_change_up_to_its_step():
     args, _ = train_gpt.parse_args([*TINY_RUN, "--num_iterations=6", "--window_stages=1,2,4", "--final_window=4"], "cpu")
     plan = train_gpt.plan_device(args, torch.device("cpu"))
     stepped = train_gpt.Trainer(args, 0, 1, plan)
-    no_data = types.SimpleNamespace(load_state_dict=lambda state: None)
     for step in range(args.num_iterations + 1):
         stepped.move_window(step)
         restored = train_gpt.Trainer(args, 0, 1, plan)
         state = dict(step=step, model=stepped.model.state_dict(), optimizers=[o.state_dict() for o in stepped.optimizers],
                      data=None, clock={})
-        assert train_gpt.restore_checkpoint(state, restored, no_data) == (step, {})
+        assert train_gpt.restore_checkpoint(state, restored) == (step, {})
         assert restored.window == stepped.window == train_gpt.window_at(step, args), step
         for name in ("freqs", "cos", "sin"):
             assert torch.equal(getattr(restored.model.rotary, name), getattr(stepped.model.rotary, name)), (step, name)
@@ -197,6 +195,8 @@ def test_a_stream_restored_at_a_shards_last_batch_goes_on_to_the_next_shard(tmp_
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].numel() == 64
     assert whole.state_dict() == restored.state_dict() == dict(shard_index=1, pos=128, epoch=0)
     assert not torch.equal(first[0][0], whole.tokens[:64].int())  # the second batch came from the second shard
+    with pytest.raises(train_gpt.DataError, match=r"^the checkpoint's data position is in train shard #2, but only 2 shards match '.*s_train_\*\.bin'; "):
+        restored.load_state_dict(dict(shard_index=2, pos=0, epoch=0))
 
 
 def documents_shard(path, lengths, lead=0, first=1):
@@ -334,6 +334,30 @@ def test_bad_overrides_are_refused(argv, message):
     with pytest.raises(train_gpt.ConfigError) as error:
         train_gpt.parse_args(argv, "cpu")
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--seq_len=1000", "seq_len=1000 must be a positive multiple of 128 (the attention block size)"),
+    ("--num_layers=3", "num_layers=3 must be an even number >= 2 (U-net halves)"),
+    ("--head_dim=126", "head_dim=126 must be a multiple of 4 (rotary on half of the dims, in pairs)"),
+    ("--num_heads=2", "num_heads x head_dim = 2 x 128 must equal model_dim=128 (q, k, v and the output projection "
+                      "share one (4, model_dim, model_dim) parameter)"),
+    ("--batch_slots=3", "world size 2 must divide batch_slots=3; use 1, 3 processes"),
+    ("--val_tokens=1000", "val_tokens=1000 must be a positive multiple of val_seq_len x world size (1024 x 2)"),
+    ("--cooldown_frac=1.5", "cooldown_frac=1.5 must be within [0, 1]"),
+    ("--muon_neuron_beta2=1", "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
+    ("--muon_cautious_wd=-1", "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
+    ("--loss_chunk=-1", "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
+    ("--num_iterations=0", "num_iterations=0 must be at least 1"),
+    ("--window_stages=2,0", "window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
+    ("--packed_doc_len=-1", "packed_doc_len=-1 must be >= 0 (0: consecutive tokens)"),
+])
+def test_out_of_range_settings_are_refused_naming_the_value(override, message):
+    args, _ = train_gpt.parse_args([override], "cpu")
+    train_gpt.check_hyperparameters(train_gpt.parse_args([], "cpu")[0], 2)  # the preset itself passes
+    with pytest.raises(train_gpt.ConfigError) as error:
+        train_gpt.check_hyperparameters(args, 2)
+    assert str(error.value) == message
 
 
 def test_overrides_and_flags_parse():
