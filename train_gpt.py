@@ -329,13 +329,18 @@ class Muon(torch.optim.Optimizer):
         return normalized * (update_norm / (normalized.norm(dim=(-2, -1), keepdim=True) + NORMUON_EPS))
 
     def state_dict(self) -> dict:
-        """Every matrix's state, gathered from its owner: a collective, which every rank calls."""
-        others = [p for mine in self.dealt[:self.rank] + self.dealt[self.rank + 1:] for p in mine]
-        for key in ("momentum_buffer", "neuron_second_moment") if self.world_size > 1 else ():
-            self._gather_state(key)
+        """Every matrix's state, gathered from its owner: a collective, which every rank calls. Off the
+        clock and rare, so the owners' states travel pickled, through the host."""
         state = super().state_dict()
-        for p in others:  # the state dict keeps them; this rank goes on without
-            self.state.pop(p, None)
+        if self.world_size > 1:
+            index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}  # the state dict's keys
+            owned = {index[p]: {k: v.cpu() for k, v in self.state[p].items()} for p in self.dealt[self.rank]
+                     if p in self.state}
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, owned)
+            for rank, states in enumerate(gathered):
+                if rank != self.rank:
+                    state["state"].update(states)
         return state
 
     def load_state_dict(self, state_dict: dict):
@@ -343,33 +348,6 @@ class Muon(torch.optim.Optimizer):
         mine = set(self.dealt[self.rank])
         for p in [p for p in self.state if p not in mine]:
             del self.state[p]
-
-    def _gather_state(self, key: str):
-        """state[key] of every matrix on every rank, from the owners, round by round as in step()."""
-        first = next(iter(self.dealt[self.rank]), None)
-        present = torch.tensor([int(first is not None and key in self.state.get(first, {}))],
-                               device=self.param_groups[0]["params"][0].device)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX)  # a rank that owns no matrix does not know
-        if not present:
-            return
-        for round_params in self.rounds:
-            shapes = [None if p is None else self._state_shape(p, key) for p in round_params]
-            size = max(math.prod(shape) for shape in shapes if shape is not None)
-            out = torch.zeros(size, dtype=torch.float32, device=present.device)
-            if round_params[self.rank] is not None:
-                out[:math.prod(shapes[self.rank])] = self.state[round_params[self.rank]][key].flatten()
-            gathered = out.new_empty(size * self.world_size)
-            dist.all_gather_into_tensor(gathered, out)
-            for k, p in enumerate(round_params):
-                if p is not None and k != self.rank:
-                    self.state[p][key] = gathered[k * size:k * size + math.prod(shapes[k])].view(shapes[k]).clone()
-
-    @staticmethod
-    def _state_shape(p: Tensor, key: str) -> tuple:
-        if key == "momentum_buffer":
-            return tuple(p.shape)
-        rows, cols = p.shape[-2:]  # NorMuon's mean square: per row of a tall or square matrix, else per column
-        return (*p.shape[:-2], rows, 1) if rows >= cols else (*p.shape[:-2], 1, cols)
 
 
 def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor, beta1: float,
