@@ -229,7 +229,8 @@ def peak_memory_line(device: torch.device) -> str:
     if device.type == "cuda":
         return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    line = f"peak memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"  # KiB on Linux
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    line = f"peak memory (RSS): {max_rss // (2**20 if sys.platform == 'darwin' else 2**10)} MiB"
     huge = huge_page_kib()
     return line if huge is None else f"{line}, {huge // 1024} MiB of it in 2 MB pages now"
 

@@ -881,9 +881,8 @@ class GradientBuckets:
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 
 
-def load_shard(path: Path, vocab_size: int | None, pin_memory: bool = False) -> Tensor:
-    """All tokens of one shard as a uint16 tensor, validated: its header and size, and every id below
-    vocab_size unless that is None (the caller checks them later with check_token_ids)."""
+def shard_token_count(path: Path) -> int:
+    """The token count a shard's header gives, checked against the header's fields and the file's size."""
     size = path.stat().st_size
     header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     if header.size < SHARD_HEADER_INTS:
@@ -896,7 +895,13 @@ def load_shard(path: Path, vocab_size: int | None, pin_memory: bool = False) -> 
     if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
         raise DataError(f"{path}: header says {num_tokens} tokens but the file holds "
                         f"{(size - 4 * SHARD_HEADER_INTS) / 2:g}; the file is truncated or corrupt")
-    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=pin_memory)
+    return num_tokens
+
+
+def load_shard(path: Path, vocab_size: int | None, pin_memory: bool = False) -> Tensor:
+    """All tokens of one shard as a uint16 tensor, validated: its header and size, and every id below
+    vocab_size unless that is None (the caller checks them later with check_token_ids)."""
+    tokens = torch.empty(shard_token_count(path), dtype=torch.uint16, pin_memory=pin_memory)
     with open(path, "rb", buffering=0) as f:
         f.seek(4 * SHARD_HEADER_INTS)
         f.readinto(tokens.numpy())
@@ -930,6 +935,8 @@ class TokenStream:
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False, packed_doc_len: int = 0):
         self.pattern, self.paths = pattern, shard_paths(pattern, "train")
+        for path in self.paths:  # every header now: a truncated shard would stop the run when reached
+            shard_token_count(path)
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
         self.pin_memory, self.packed_doc_len = pin_memory, packed_doc_len
         self.span = num_slots * seq_len  # tokens a batch reads, unpacked

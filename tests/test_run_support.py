@@ -5,8 +5,10 @@ import ast
 import os
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
 from conftest import ROOT
 
 import run_support as support
@@ -123,3 +125,11 @@ def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_pat
     del saved["yarn"]  # a checkpoint made before the setting existed
     with pytest.raises(support.ConfigError, match=r"yarn \(now True; the checkpoint predates this setting\)"):
         support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(), train_gpt.RESUMABLE_CHANGES)
+
+
+@pytest.mark.parametrize("platform, max_rss", [("linux", 3 * 2**10), ("darwin", 3 * 2**20)])
+def test_peak_rss_is_in_mib_whatever_unit_the_os_counts_in(monkeypatch, platform, max_rss):
+    """getrusage's ru_maxrss is in KiB on Linux and in bytes on macOS."""
+    monkeypatch.setattr(support.sys, "platform", platform)
+    monkeypatch.setattr(support.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=max_rss))
+    assert support.peak_memory_line(torch.device("cpu")).startswith("peak memory (RSS): 3 MiB")

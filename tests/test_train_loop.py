@@ -289,6 +289,20 @@ def test_a_shard_shorter_than_a_batch_reads_is_refused(tmp_path):
     train_gpt.TokenStream(str(tmp_path / "d_train_*.bin"), 8, 2, torch.device("cpu"), 50257)
 
 
+def test_a_corrupt_later_shard_is_refused_when_the_stream_is_made(tmp_path):
+    """Shards are read when reached, as in the record; their headers and sizes are checked at the start,
+    so a truncated shard stops the run before anything is written rather than when training reaches it."""
+    documents_shard(tmp_path / "e_train_000000.bin", [100])
+    documents_shard(tmp_path / "e_train_000001.bin", [100])
+    make = lambda: train_gpt.TokenStream(str(tmp_path / "e_train_*.bin"), 8, 2, torch.device("cpu"), 50257)
+    make()
+    second = tmp_path / "e_train_000001.bin"
+    second.write_bytes(second.read_bytes()[:-2])
+    with pytest.raises(train_gpt.DataError) as error:
+        make()
+    assert str(error.value) == f"{second}: header says 100 tokens but the file holds 99; the file is truncated or corrupt"
+
+
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by exactly lr * sign(grad), so each group's lr shows."""
     args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)
