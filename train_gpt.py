@@ -892,9 +892,10 @@ def shard_token_count(path: Path) -> int:
     if header[1] != SHARD_VERSION:
         raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
     num_tokens = int(header[2])
-    if size != 4 * SHARD_HEADER_INTS + 2 * num_tokens:
-        raise DataError(f"{path}: header says {num_tokens} tokens but the file holds "
-                        f"{(size - 4 * SHARD_HEADER_INTS) / 2:g}; the file is truncated or corrupt")
+    expected_size = 4 * SHARD_HEADER_INTS + 2 * num_tokens
+    if size != expected_size:
+        raise DataError(f"{path}: header says {num_tokens} tokens ({expected_size} bytes with the header) but the file "
+                        f"has {size} bytes; the file is truncated or corrupt")
     return num_tokens
 
 
@@ -935,11 +936,14 @@ class TokenStream:
     def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False, packed_doc_len: int = 0):
         self.pattern, self.paths = pattern, shard_paths(pattern, "train")
-        for path in self.paths:  # every header now: a truncated shard would stop the run when reached
-            shard_token_count(path)
         self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
         self.pin_memory, self.packed_doc_len = pin_memory, packed_doc_len
         self.span = num_slots * seq_len  # tokens a batch reads, unpacked
+        for path in self.paths:  # every header and length now: a bad shard would stop the run when reached
+            length = shard_token_count(path)
+            if not packed_doc_len and length < self.span + 2:
+                raise DataError(f"{path}: {length} tokens, fewer than the {self.span + 2} that one batch of "
+                                f"{num_slots} x {seq_len} reads")
         self.shard_index, self.pos, self.epoch = 0, 0, 0
         self.checked = set()  # the shards whose token ids were checked
         self._read(0)
@@ -949,16 +953,12 @@ class TokenStream:
     def _read(self, index: int):
         self.tokens = load_shard(self.paths[index], None, self.pin_memory)
         self.shard_length = len(self.tokens)
-        if not self.packed_doc_len:
-            if self.shard_length < self.span + 2:
-                raise DataError(f"{self.paths[index]}: {self.shard_length} tokens, fewer than the {self.span + 2} that one "
-                                f"batch of {self.num_slots} x {self.seq_len} reads")
-            return
-        self.doc_starts = np.flatnonzero(self.tokens.numpy() == EOT_TOKEN)
-        if self._packed_segments(0) is None:
-            raise DataError(f"{self.paths[index]}: its documents, clipped to packed_doc_len={self.packed_doc_len} tokens, "
-                            f"cannot fill one batch of {self.num_slots} x {self.seq_len + 1} tokens "
-                            f"(pass --packed_doc_len=0 for consecutive tokens)")
+        if self.packed_doc_len:  # the constructor checked an unpacked shard's length
+            self.doc_starts = np.flatnonzero(self.tokens.numpy() == EOT_TOKEN)
+            if self._packed_segments(0) is None:
+                raise DataError(f"{self.paths[index]}: its documents, clipped to packed_doc_len={self.packed_doc_len} "
+                                f"tokens, cannot fill one batch of {self.num_slots} x {self.seq_len + 1} tokens "
+                                f"(pass --packed_doc_len=0 for consecutive tokens)")
 
     @property
     def unchecked(self) -> bool:
@@ -976,8 +976,8 @@ class TokenStream:
 
     def load_state_dict(self, state: dict):
         if state["shard_index"] >= len(self.paths):
-            raise DataError(f"the checkpoint's data position is in train shard #{state['shard_index']}, but only "
-                            f"{len(self.paths)} shards match {self.pattern!r}; resume with the shards it trained on")
+            raise DataError(f"the checkpoint resumes in train shard {state['shard_index'] + 1} of the sorted list, but "
+                            f"{self.pattern!r} matches {len(self.paths)}; resume with the shards it trained on")
         self.shard_index, self.pos, self.epoch = state["shard_index"], state["pos"], state["epoch"]
         self._read(self.shard_index)
         self.check_shard()
@@ -1490,7 +1490,9 @@ class Trainer:
     def warm_up(self, first_step: int):
         """Compile (and warm caches) on random tokens, each window stage in turn (the rotary tables
         unchanged), then restore the exact state from before."""
-        saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=[o.state_dict() for o in self.optimizers]))
+        # This rank's optimizer states only (the base class's state_dict): Muon's gathers what other ranks own.
+        optimizer_states = [torch.optim.Optimizer.state_dict(o) for o in self.optimizers]
+        saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=optimizer_states))
         args, window = self.args, self.window
         for i, step in enumerate(range(first_step, first_step + args.warmup_steps)):
             self.window = args.window_stages[i % len(args.window_stages)]

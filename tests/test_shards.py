@@ -62,8 +62,10 @@ def test_corrupt_shards_are_rejected_with_their_reason(tmp_path, data, message):
         (b"\x00" * 1000, "1000 bytes is shorter than the 1024-byte shard header"),
         (raw_shard([1, 2], magic=12345), "bad magic 12345 (expected 20240520); not a token shard"),
         (raw_shard([1, 2], version=2), "unsupported shard version 2 (expected 1)"),
-        (raw_shard([1, 2], count=3), "header says 3 tokens but the file holds 2; the file is truncated or corrupt"),
-        (raw_shard([1, 2], count=1), "header says 1 tokens but the file holds 2; the file is truncated or corrupt"),
+        (raw_shard([1, 2], count=3), "header says 3 tokens (1030 bytes with the header) but the file has 1028 bytes; "
+                                      "the file is truncated or corrupt"),
+        (raw_shard([1, 2], count=1), "header says 1 tokens (1026 bytes with the header) but the file has 1028 bytes; "
+                                      "the file is truncated or corrupt"),
     ],
     ids=["short", "magic", "version", "count-too-large", "count-too-small"],
 )
