@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,30 @@ def _final(path: Path) -> tuple[float, int]:
     return float(last[0]), int(last[1])
 
 
+SHAKESPEARE_VAL = "'data/shakespeare/shakespeare_val_*.bin'"
+FINEWEB_VAL = "'data/fineweb10B/fineweb_val_*.bin'"
+
+
+def _tiny_log(path: Path, loss: str = "5.0000", val_files: str = SHAKESPEARE_VAL, seed: int = 0,
+              val: bool = True) -> Path:
+    """A made-up log: a one-line source, a hyperparameters block, and one final step line (a
+    validation line unless val is false)."""
+    step = f"val_loss:{loss}" if val else "train_loss:5.1234"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"x = 1\n{SEP}\nhyperparameters (preset cpu):\n  val_files: {val_files}\n  seed: {seed}\n"
+                    f"step:2/2 {step} train_time:1000ms step_avg:500.00ms\n")
+    return path
+
+
+def _error(capsys) -> str:
+    """The one line a refusal prints on stderr, when it printed nothing on stdout."""
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # diff
 
@@ -167,6 +192,49 @@ def test_diff_of_a_log_from_another_fork(runs, capsys):
     assert f"note: no hyperparameters block in {p['fork']}" in out
 
 
+def test_diff_of_identical_hyperparameters_says_so(tmp_path, capsys):
+    a = _tiny_log(tmp_path / "a" / "run.txt")
+    b = tmp_path / "b" / "run.txt"
+    b.parent.mkdir()
+    b.write_bytes(a.read_bytes())
+    assert records.main(["diff", str(a), str(b)]) == 0
+    assert capsys.readouterr().out == "sources are identical (1 lines in train_gpt.py)\n\nhyperparameters are identical\n"
+
+
+def test_diff_color_never_prints_plain_lines(tmp_path, capsys):
+    a, b = _tiny_log(tmp_path / "a.txt", seed=0), _tiny_log(tmp_path / "b.txt", seed=1)
+    assert records.main(["diff", str(a), str(b), "--color", "never"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "sources are identical (1 lines in train_gpt.py)", "",
+        f"--- {a} (hyperparameters)", f"+++ {b} (hyperparameters)", "@@ -1,3 +1,3 @@",
+        " hyperparameters (preset cpu):", f"   val_files: {SHAKESPEARE_VAL}", "-  seed: 0", "+  seed: 1"]
+
+
+# ------------------------------------------------------------------------------------------------
+# paths that are no log: one error line, exit status 2, nothing written
+
+PATH_REFUSALS = [
+    (["stats", "{empty}"], "error: {empty}: a folder with no *.txt logs"),
+    (["plot", "{empty}", "-o", "{out}/p.png"], "error: {empty}: a folder with no *.txt logs"),
+    (["diff", "{empty}", "{log}"], "error: {empty}: a folder with no *.txt logs"),
+    (["diff", "{log}", "{missing}"], "error: {missing}: no such log file or record folder"),
+    (["check", "{missing}"], "error: {missing}: cannot read (No such file or directory)"),
+    (["source", "{missing}", "{out}"], "error: {missing}: cannot read (No such file or directory)"),
+    (["source", "{empty}", "{out}"], "error: {empty}: cannot read (Is a directory)"),
+]
+
+
+@pytest.mark.parametrize("argv, message", PATH_REFUSALS, ids=[" ".join(argv) for argv, _ in PATH_REFUSALS])
+def test_a_path_that_is_no_log_is_one_error_line(argv, message, tmp_path, capsys):
+    where = {"empty": tmp_path / "empty", "missing": tmp_path / "missing.txt", "out": tmp_path / "out",
+             "log": _tiny_log(tmp_path / "run.txt")}
+    where["empty"].mkdir()
+    assert records.main([arg.format(**where) for arg in argv]) == 2
+    assert _error(capsys) == message.format(**where)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "run.txt"]  # no out/, no file
+    assert list(where["empty"].iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # stats
 
@@ -209,6 +277,51 @@ def test_stats_reads_other_forks_logs(runs, capsys):
     assert "n/a (no target" in out  # tiny shards in tmp: no track to take a target from
 
 
+@pytest.mark.parametrize("val_files, track, target", [(FINEWEB_VAL, "track_1_short", 3.28),
+                                                      (SHAKESPEARE_VAL, "track_cpu", records.CPU_TARGET)])
+def test_stats_takes_the_target_from_the_logged_val_files(val_files, track, target, tmp_path, capsys):
+    from scipy import stats
+
+    logs = [_tiny_log(tmp_path / f"s{seed}.txt", loss=loss, val_files=val_files, seed=seed)
+            for seed, loss in enumerate(("3.1000", "3.2000", "3.1500"))]
+    assert records.main(["stats", *map(str, logs)]) == 0
+    out = capsys.readouterr().out
+    p = stats.ttest_1samp([3.1, 3.2, 3.15], target, alternative="less").pvalue
+    assert f"\ntarget: {target:g} ({track}, from val_files)\n" in out
+    assert out.endswith(f"\np-value (one-sided t-test that the mean is below the target): {p:.4g}\n")
+
+
+def test_stats_of_logs_of_different_tracks_has_no_target(tmp_path, capsys):
+    fineweb = _tiny_log(tmp_path / "fineweb.txt", loss="3.1000", val_files=FINEWEB_VAL)
+    cpu = _tiny_log(tmp_path / "cpu.txt", loss="5.0000", val_files=SHAKESPEARE_VAL)
+    assert records.main(["stats", str(fineweb), str(cpu)]) == 0
+    out = capsys.readouterr().out
+    assert "\ntarget:" not in out
+    assert out.endswith("\np-value (one-sided t-test that the mean is below the target): n/a (no target: the logs "
+                        "belong to different tracks (track_1_short, track_cpu); pass --target X)\n")
+
+
+def test_stats_of_equal_final_losses_has_no_p_value(tmp_path, capsys):
+    logs = [_tiny_log(tmp_path / f"s{seed}.txt", loss="5.0000", seed=seed) for seed in range(3)]
+    assert records.main(["stats", *map(str, logs), "--target", "6"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "std final val loss: 0.000000 (sample, ddof=1)" in lines and "target: 6 (--target)" in lines
+    assert out.endswith("\np-value (one-sided t-test that the mean is below the target): n/a (every run has the "
+                        "same final val loss, so the t-test is undefined; vary --seed)\n")
+
+
+@pytest.mark.parametrize("loss", ["nan", "inf", "1.2.3"])
+def test_stats_with_a_non_finite_final_loss_says_so(tmp_path, capsys, loss):
+    """A diverged run (or a malformed loss, read as nan) among others: no t-test, and no traceback."""
+    logs = [_tiny_log(tmp_path / "s0.txt", loss="5.0000"), _tiny_log(tmp_path / "s1.txt", loss=loss, seed=1)]
+    assert records.main(["stats", *map(str, logs), "--target", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "std final val loss: nan (sample, ddof=1)" in out.splitlines()
+    assert out.endswith("\np-value (one-sided t-test that the mean is below the target): n/a (a final val loss "
+                        "is not finite)\n")
+
+
 # ------------------------------------------------------------------------------------------------
 # plot
 
@@ -228,6 +341,30 @@ def test_plot_writes_a_png_of_the_requested_size(runs, tmp_path, capsys):
     assert out.read_bytes() == before
     assert records.main([*args, "--force"]) == 0
     assert sorted(x.name for x in tmp_path.iterdir()) == ["curves.png"]  # no temporary files left
+
+
+def test_plot_leaves_out_a_log_without_validation_lines(tmp_path, capsys):
+    import matplotlib.image
+
+    silent = _tiny_log(tmp_path / "silent.txt", val=False)
+    good = _tiny_log(tmp_path / "good.txt")
+    out = tmp_path / "plots" / "p.png"
+    assert records.main(["plot", str(silent), str(good), "-o", str(out), "--dpi", "20"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"warning: {silent}: no validation lines; not plotted\n"
+    assert captured.out == f"wrote {out} (1 runs)\n"
+    assert matplotlib.image.imread(out).shape[:2] == (round(records.FIGSIZE[1] * 20), round(records.FIGSIZE[0] * 20))
+
+
+def test_plot_with_no_validation_line_at_all_writes_nothing(tmp_path, capsys):
+    logs = [_tiny_log(tmp_path / f"silent{i}.txt", val=False) for i in range(2)]
+    out = tmp_path / "plots" / "p.png"
+    assert records.main(["plot", *map(str, logs), "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [*(f"warning: {log}: no validation lines; not plotted" for log in logs),
+                                         "error: no validation lines in any log; nothing to plot"]
+    assert not out.parent.exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,6 +511,117 @@ def test_submit_refusals_create_nothing(runs, tmp_path, capsys):
     assert not recs.exists()
 
 
+def _with_final_val_loss(text: str, value: str) -> str:
+    last = re.findall(r"^step:\d+/\d+ val_loss:\S+", text, re.M)[-1]
+    head, _, tail = text.rpartition(last)
+    return head + re.sub(r"val_loss:\S+", f"val_loss:{value}", last) + tail
+
+
+def _without_validation_lines(text: str) -> str:
+    source, body = text.split(SEP + "\n", 1)
+    return source + SEP + "\n" + "".join(line for line in body.splitlines(keepends=True)
+                                         if not (line.startswith("step:") and " val_loss:" in line))
+
+
+def _resumed(text: str) -> str:
+    source, body = text.split(SEP + "\n", 1)
+    first_step = body.index("\nstep:") + 1
+    return source + SEP + "\n" + body[:first_step] + "resumed from checkpoints/base_step2.pt at step 2\n" + body[first_step:]
+
+
+# (logs to submit, given the base log and a folder for edited copies; the error line, {0} the first log)
+SUBMIT_LOG_REFUSALS = {
+    "missing": (lambda base, d: [d / "missing.txt"], "error: {0}: no such log file"),
+    "same file name": (lambda base, d: [base, _copy_into(base, d / "again")],
+                       "error: two logs share a file name (base.txt); each run needs its own run_id"),
+    "no validation line": (lambda base, d: [_edit(base, d, _without_validation_lines)],
+                           "error: {0}: no final val loss (no validation line)"),
+    "nan": (lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(t, "nan"))],
+            "error: {0}: the final val loss is nan"),
+    "inf": (lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(t, "inf"))],
+            "error: {0}: the final val loss is inf"),
+    "malformed number": (lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(t, "1.2.3"))],
+                         "error: {0}: the final val loss is nan"),
+    "resumed": (lambda base, d: [base, _edit(base, d, _resumed)],
+                "error: {1}: a resumed run; its train_time does not cover the whole run"),
+}
+
+
+def _copy_into(log: Path, folder: Path) -> Path:
+    folder.mkdir()
+    return Path(shutil.copy(log, folder / log.name))
+
+
+def _edit(base: Path, folder: Path, change) -> Path:
+    path = folder / "edited.txt"
+    text = base.read_text()
+    path.write_text(change(text))
+    assert path.read_text() != text
+    return path
+
+
+@pytest.mark.parametrize("case", SUBMIT_LOG_REFUSALS)
+def test_submit_refuses_logs_that_make_no_record(case, runs, tmp_path, capsys):
+    build, message = SUBMIT_LOG_REFUSALS[case]
+    logs = build(runs["paths"]["base"], tmp_path)
+    recs = tmp_path / "records"
+    assert records.main(["submit", *map(str, logs), "--track", "track_cpu", "--name", "Refused",
+                         "--date", "2024-05-20", "--records-dir", str(recs)]) == 2
+    assert _error(capsys) == message.format(*logs)
+    assert not recs.exists()
+
+
+@pytest.mark.parametrize("date", ["2024-5-20", "20240520", "2024-02-30", "2024-13-01", "24-05-20", "2024-05-20 "])
+def test_submit_refuses_a_date_that_is_not_yyyy_mm_dd(date, runs, tmp_path, capsys):
+    recs = tmp_path / "records"
+    assert records.main(["submit", str(runs["paths"]["base"]), "--track", "track_cpu", "--name", "Dated",
+                         "--date", date, "--records-dir", str(recs)]) == 2
+    assert _error(capsys) == f"error: --date {date!r} is not a date of the form YYYY-MM-DD"
+    assert not recs.exists()
+
+
+def _submitted_readme(log: Path, recs: Path, name: str, date: str = "2024-05-20") -> str:
+    assert records.main(["submit", str(log), "--track", "track_cpu", "--name", name, "--date", date,
+                         "--records-dir", str(recs)]) == 0
+    return (recs / "track_cpu" / f"{date}_{name}" / "README.md").read_text()
+
+
+def test_submit_readme_of_logs_without_a_preset_or_hyperparameters(runs, tmp_path, capsys):
+    text = runs["paths"]["base"].read_text()
+    no_preset = tmp_path / "no_preset.txt"
+    no_preset.write_text(text.replace("\nhyperparameters (preset cpu):\n", "\nhyperparameters:\n", 1))
+    hparams = records.parse_log(runs["paths"]["base"]).hparam_lines[1:]
+    assert len(hparams) > 10
+    readme = _submitted_readme(no_preset, tmp_path / "records", "NoPreset")
+    assert readme.endswith("\n## Command\n\n" + "\n".join(["The logs name no preset; their hyperparameters:", "",
+                                                            "```", *hparams, "```", ""]))
+    readme = _submitted_readme(runs["paths"]["fork"], tmp_path / "fork_records", "Fork")
+    assert readme.endswith("\n## Command\n\nThe logs record no hyperparameters; see the source and the logs.\n")
+
+
+PREVIOUS_RECORD_NOTES = {
+    "no logs": (None, "The previous record, `records/track_cpu/2024-05-01_Prev`, holds no logs to compare with."),
+    "no source": ("no_source", "The previous record, `records/track_cpu/2024-05-01_Prev`, could not be compared: "
+                               "{prev}: no embedded source (no line of 100 '=' ends one); is this a train_gpt.py log?"),
+    "same source": ("seed1", "The source is identical to that of the previous record, "
+                             "`records/track_cpu/2024-05-01_Prev`."),
+}
+
+
+@pytest.mark.parametrize("case", PREVIOUS_RECORD_NOTES)
+def test_submit_readme_notes_what_it_could_compare_with_the_previous_record(case, runs, tmp_path, capsys):
+    previous, note = PREVIOUS_RECORD_NOTES[case]
+    recs = tmp_path / "records"
+    prev = recs / "track_cpu" / "2024-05-01_Prev"
+    prev.mkdir(parents=True)
+    prev_log = prev / "run.txt"
+    if previous is not None:
+        shutil.copy(runs["paths"][previous], prev_log)
+    (recs / "track_cpu" / "2024-06-01_Later").mkdir()  # a later date: not the previous record
+    readme = _submitted_readme(runs["paths"]["base"], recs, "Next")
+    assert readme.split("\n")[8] == note.format(prev=prev_log)
+
+
 def test_submit_then_list(runs, tmp_path, capsys):
     from scipy import stats
 
@@ -478,6 +726,30 @@ def test_list_of_empty_records(tmp_path, capsys):
     assert records.main(["list", "track_cpu", "--records-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "  (no records yet)"
     assert records.main(["list", "track_nope", "--records-dir", str(tmp_path)]) == 2
+
+
+def test_list_orders_records_of_one_date_whose_readme_gives_no_time_by_name(tmp_path, capsys):
+    """A README with a submission time ranks above those without one, whether the README is missing,
+    holds no '- submitted:' line or an unreadable time; these rank by name. A folder with no logs is
+    a row of dashes and an error line under the table."""
+    track = tmp_path / "track_cpu"
+    readmes = {"Aaa": "- submitted: 2024-01-01T10:00:00+00:00\n", "Bee": "- submitted: not a time\n",
+               "Mid": None, "Zed": "# Zed\n\nno submission line\n"}
+    for name, readme in readmes.items():
+        _tiny_log(track / f"2024-01-01_{name}" / "run.txt")
+        if readme is not None:
+            (track / f"2024-01-01_{name}" / "README.md").write_text(readme)
+    (track / "2024-01-01_NoLogs").mkdir()
+    assert records.main(["list", "track_cpu", "--records-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [
+        "  date        name    mean time  mean val loss  runs  p-value",
+        "  2024-01-01  Aaa         1.0 s         5.0000     1      n/a",
+        "  2024-01-01  Zed         1.0 s         5.0000     1      n/a",
+        "  2024-01-01  NoLogs          -              -     0        -",
+        "  2024-01-01  Mid         1.0 s         5.0000     1      n/a",
+        "  2024-01-01  Bee         1.0 s         5.0000     1      n/a",
+        f"  2024-01-01_NoLogs: {track / '2024-01-01_NoLogs'}: a folder with no *.txt logs"]
 
 
 # ------------------------------------------------------------------------------------------------

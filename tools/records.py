@@ -289,14 +289,15 @@ def summarize(logs: list[Log], target: float | None, target_note: str = "") -> S
     times = [v.time_ms for v in finals if v.time_ms is not None]
     n = len(losses)
     mean = statistics.fmean(losses) if losses else math.nan
-    std = statistics.stdev(losses) if n >= 2 else None
+    finite = all(math.isfinite(x) for x in losses)
+    std = (statistics.stdev(losses) if finite else math.nan) if n >= 2 else None  # stdev fails on inf and nan
     mean_time = statistics.fmean(times) if times else None
     p, note = None, ""
     if n < 2:
         note = f"n/a (n={n}: a t-test needs at least 2 runs)"
     elif target is None:
         note = f"n/a (no target: {target_note or 'pass --target X'})"
-    elif not all(math.isfinite(x) for x in losses):
+    elif not finite:
         note = "n/a (a final val loss is not finite)"
     elif std == 0:
         note = "n/a (every run has the same final val loss, so the t-test is undefined; vary --seed)"
