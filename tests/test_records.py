@@ -571,7 +571,7 @@ def test_submit_refuses_logs_that_make_no_record(case, runs, tmp_path, capsys):
     assert not recs.exists()
 
 
-@pytest.mark.parametrize("date", ["2024-5-20", "20240520", "2024-02-30", "2024-13-01", "24-05-20", "2024-05-20 "])
+@pytest.mark.parametrize("date", ["2024-5-20", "20240520", "2024-02-30", "2024-13-01", "24-05-20", "2024-05-20 ", ""])
 def test_submit_refuses_a_date_that_is_not_yyyy_mm_dd(date, runs, tmp_path, capsys):
     recs = tmp_path / "records"
     assert records.main(["submit", str(runs["paths"]["base"]), "--track", "track_cpu", "--name", "Dated",

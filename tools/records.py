@@ -821,7 +821,7 @@ def cmd_submit(args) -> int:
         raise RecordsError(f"unknown track {args.track!r}; tracks: {', '.join(TRACKS)}")
     if not NAME_RE.fullmatch(args.name):
         raise RecordsError(f"name {args.name!r} may hold only letters, digits, '-' and '_'")
-    date = args.date or datetime.date.today().isoformat()
+    date = datetime.date.today().isoformat() if args.date is None else args.date  # --date '' is refused
     try:
         if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
             raise ValueError
