@@ -729,9 +729,9 @@ def test_list_of_empty_records(tmp_path, capsys):
 
 
 def test_list_orders_records_of_one_date_whose_readme_gives_no_time_by_name(tmp_path, capsys):
-    """A README with a submission time ranks above those without one, whether the README is missing,
-    holds no '- submitted:' line or an unreadable time; these rank by name. A folder with no logs is
-    a row of dashes and an error line under the table."""
+    """Newest first: a README with a submission time ranks above those without one (a missing README, no
+    '- submitted:' line, an unreadable time), which follow by name, last first. A folder with no logs
+    is a row of dashes and an error line under the table."""
     track = tmp_path / "track_cpu"
     readmes = {"Aaa": "- submitted: 2024-01-01T10:00:00+00:00\n", "Bee": "- submitted: not a time\n",
                "Mid": None, "Zed": "# Zed\n\nno submission line\n"}

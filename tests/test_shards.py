@@ -34,19 +34,29 @@ def test_round_trip_of_an_array_and_of_no_tokens(tmp_path):
     assert (tmp_path / "empty.bin").stat().st_size == 1024
 
 
+TRUNCATED = "the file is truncated or corrupt"
+
+
 @pytest.mark.parametrize(
-    "data, message",
+    "data, message, train_gpt_message",
     [
-        (b"\x00" * 1000, "1000 bytes is shorter than the 1024-byte shard header"),
-        (raw_shard([1, 2], magic=12345), "bad magic number 12345 (expected 20240520)"),
-        (raw_shard([1, 2], version=2), "unsupported shard version 2 (expected 1)"),
-        (raw_shard([1, 2], count=3), "header declares 3 tokens (1030 bytes) but the file has only 1028 bytes"),
-        (raw_shard([1, 2], count=1), "file has 1028 bytes, 2 more than the 1 tokens its header declares"),
-        (raw_shard([1, 2], count=-1), "header declares -1 tokens"),
+        (b"\x00" * 1000, "1000 bytes is shorter than the 1024-byte shard header",
+         "1000 bytes is shorter than the 1024-byte shard header"),
+        (raw_shard([1, 2], magic=12345), "bad magic number 12345 (expected 20240520)",
+         "bad magic 12345 (expected 20240520); not a token shard"),
+        (raw_shard([1, 2], version=2), "unsupported shard version 2 (expected 1)",
+         "unsupported shard version 2 (expected 1)"),
+        (raw_shard([1, 2], count=3), "header declares 3 tokens (1030 bytes) but the file has only 1028 bytes",
+         f"header says 3 tokens (1030 bytes with the header) but the file has 1028 bytes; {TRUNCATED}"),
+        (raw_shard([1, 2], count=1), "file has 1028 bytes, 2 more than the 1 tokens its header declares",
+         f"header says 1 tokens (1026 bytes with the header) but the file has 1028 bytes; {TRUNCATED}"),
+        (raw_shard([1, 2], count=-1), "header declares -1 tokens",
+         f"header says -1 tokens (1022 bytes with the header) but the file has 1028 bytes; {TRUNCATED}"),
     ],
     ids=["short", "magic", "version", "count-too-large", "count-too-small", "count-negative"],
 )
-def test_corrupt_shards_are_rejected_with_their_reason(tmp_path, data, message):
+def test_corrupt_shards_are_rejected_with_their_reason(tmp_path, data, message, train_gpt_message):
+    """By data/shards.py and by train_gpt.py's own reader (the record path imports nothing from data/)."""
     path = tmp_path / "bad.bin"
     path.write_bytes(data)
     for read in (shards.read_header, shards.read_shard):
@@ -54,28 +64,9 @@ def test_corrupt_shards_are_rejected_with_their_reason(tmp_path, data, message):
             read(path)
         assert message in str(err.value)
         assert str(err.value).startswith(f"{path}: ")
-
-
-@pytest.mark.parametrize(
-    "data, message",
-    [
-        (b"\x00" * 1000, "1000 bytes is shorter than the 1024-byte shard header"),
-        (raw_shard([1, 2], magic=12345), "bad magic 12345 (expected 20240520); not a token shard"),
-        (raw_shard([1, 2], version=2), "unsupported shard version 2 (expected 1)"),
-        (raw_shard([1, 2], count=3), "header says 3 tokens (1030 bytes with the header) but the file has 1028 bytes; "
-                                      "the file is truncated or corrupt"),
-        (raw_shard([1, 2], count=1), "header says 1 tokens (1026 bytes with the header) but the file has 1028 bytes; "
-                                      "the file is truncated or corrupt"),
-    ],
-    ids=["short", "magic", "version", "count-too-large", "count-too-small"],
-)
-def test_the_training_script_refuses_a_corrupt_shard_naming_it(tmp_path, data, message):
-    """train_gpt.py reads shards with its own code (the record path imports nothing from data/)."""
-    path = tmp_path / "bad.bin"
-    path.write_bytes(data)
     with pytest.raises(train_gpt.DataError) as err:
         train_gpt.load_shard(path, 50257)
-    assert str(err.value) == f"{path}: {message}"
+    assert str(err.value) == f"{path}: {train_gpt_message}"
 
 
 def test_tokens_outside_the_vocabulary_are_named(tmp_path):

@@ -352,24 +352,6 @@ def test_bad_overrides_are_refused(argv, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("--head_dim=126", "head_dim=126 must be a multiple of 4 (rotary on half of the dims, in pairs)"),
-    ("--num_heads=2", "num_heads x head_dim = 2 x 128 must equal model_dim=128 (q, k, v and the output projection "
-                      "share one (4, model_dim, model_dim) parameter)"),
-    ("--cooldown_frac=1.5", "cooldown_frac=1.5 must be within [0, 1]"),
-    ("--muon_neuron_beta2=1", "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
-    ("--muon_cautious_wd=-1", "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
-    ("--loss_chunk=-1", "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
-    ("--num_iterations=0", "num_iterations=0 must be at least 1"),
-])
-def test_out_of_range_settings_are_refused_naming_the_value(override, message):
-    """The refusals test_bad_settings_fail_before_training does not reach."""
-    args, _ = train_gpt.parse_args([override], "cpu")
-    with pytest.raises(train_gpt.ConfigError) as error:
-        train_gpt.check_hyperparameters(args, 1)
-    assert str(error.value) == message
-
-
 def test_overrides_and_flags_parse():
     args, preset = train_gpt.parse_args(["--preset", "record", "--seq_len=1024", "--save_checkpoint",
                                          "--resume", "x.pt", "--muon_lr=0.1", "--window_stages=2,5"], "cpu")
@@ -382,11 +364,19 @@ def test_overrides_and_flags_parse():
     (["--val_seq_len=200"], "val_seq_len=200 must be a positive multiple of 128"),
     (["--num_layers=3"], "num_layers=3 must be an even number"),
     (["--val_tokens=1000"], "val_tokens=1000 must be a positive multiple of val_seq_len"),
-    (["--window_stages=2,0"], r"window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
+    (["--window_stages=2,0"], "window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
     (["--packed_doc_len=-1"], "packed_doc_len=-1 must be >= 0"),
+    (["--head_dim=62"], "head_dim=62 must be a multiple of 4 (rotary on half of the dims, in pairs)"),
+    (["--num_heads=2"], "num_heads x head_dim = 2 x 64 must equal model_dim=64 (q, k, v and the output projection "
+                        "share one (4, model_dim, model_dim) parameter)"),
+    (["--cooldown_frac=1.5"], "cooldown_frac=1.5 must be within [0, 1]"),
+    (["--muon_neuron_beta2=1"], "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
+    (["--muon_cautious_wd=-1"], "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
+    (["--loss_chunk=-1"], "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
+    (["--num_iterations=0"], "num_iterations=0 must be at least 1"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
-    with pytest.raises(train_gpt.ConfigError, match=message):
+    with pytest.raises(train_gpt.ConfigError, match=re.escape(message)):
         run(tiny_shards, tmp_path, *extra)
     assert not (tmp_path / "logs").exists()
 
