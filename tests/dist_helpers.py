@@ -9,7 +9,8 @@ MODE is one of:
   record  every bucket all-reduce launch is recorded (optimizer step, micro-step, bucket, whether it was
           the last micro-step, how many gradients of that backward were ready) and written with the
           buckets' parameter shapes and the bytes their hooks and waits copied (conftest.CopiedBytes)
-          to $DIST_HELPERS_OUT/rank<R>.json.
+          to $DIST_HELPERS_OUT/rank<R>.json; each step's gradients, as each backward made them and as
+          reduced, go to rank<R>_grads.pt (copied outside the counted hooks).
   fail    train_gpt.py runs as __main__ (its own error handling), but rank 1 raises
           RuntimeError("injected failure on rank 1") instead of its 3rd gradient-bucket all-reduce.
 
@@ -52,7 +53,16 @@ class RecordingBuckets(train_gpt.GradientBuckets):
         self.hook_calls = 0  # within the current optimizer step
         self.events = []
         self.copied_bytes = 0
+        self.backward_grads = []  # [step][parameter]: the gradient of each backward, before it is accumulated
+        self.reduced_grads = []  # [step][parameter]: the gradient the optimizer sees
+        for i, p in enumerate(params_in_ready_order):
+            p.register_hook(lambda grad, i=i: self._keep_backward_grad(i, grad))
         RecordingBuckets.instances.append(self)
+
+    def _keep_backward_grad(self, i, grad):
+        if len(self.backward_grads) == self.steps:
+            self.backward_grads.append([[] for _ in self.params])
+        self.backward_grads[self.steps][i].append(grad.detach().clone())
 
     def _on_grad_ready(self, p):
         self.hook_calls += 1  # every backward fires each parameter's hook exactly once
@@ -71,6 +81,7 @@ class RecordingBuckets(train_gpt.GradientBuckets):
             super().wait_for_gradients()
         self.copied_bytes += copied.bytes
         self.hook_calls = 0
+        self.reduced_grads.append([p.grad.detach().clone() for p in self.params])
 
     def summary(self) -> dict:
         return dict(num_params=self.num_params, steps=self.steps, reductions=self.reductions,
@@ -109,6 +120,8 @@ def main():
         out = Path(os.environ["DIST_HELPERS_OUT"])
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{RANK}.json").write_text(json.dumps([b.summary() for b in RecordingBuckets.instances]))
+        [buckets] = RecordingBuckets.instances
+        torch.save(dict(backward=buckets.backward_grads, reduced=buckets.reduced_grads), out / f"rank{RANK}_grads.pt")
     elif mode == "fail":
         fail_in_third_bucket_all_reduce()
         sys.argv = [str(ROOT / "train_gpt.py"), *argv]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import train_gpt
+from rounding import assert_within, attention_bounds
 
 EOT, BLOCK, SCALE = 50256, 128, 0.12
 T = 768  # 6 blocks
@@ -144,13 +145,6 @@ def test_long_and_short_masks():
     assert torch.equal(long, loop_mask("long_document", 120)) and torch.equal(short, loop_mask("long_document", 48))
 
 
-def reference_attention(q, k, v, mask):
-    """Softmax over the allowed keys only, with a fixed scale, in float64."""
-    scores = (q.double() @ k.double().transpose(-1, -2)) * SCALE
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v.double()).float()
-
-
 HEADS, HEAD_DIM = 2, 16
 
 
@@ -174,17 +168,30 @@ def compiled_flex():
 
 @pytest.mark.parametrize("kind", ["many", "long_document"])
 def test_compiled_flex_sdpa_and_reference_attention_agree(compiled_flex, kind):
-    """Compiled FlexAttention, SDPA with the dense mask, and float64 attention over the loop's mask
-    give the same outputs (fp32, 1e-5), for windows that are and are not whole blocks."""
+    """Compiled FlexAttention and SDPA with the dense mask both give float64 attention over the loop's
+    mask, within the float32 rounding bound derived in tests/rounding.py, for windows that are and are
+    not whole blocks; attention without each query's oldest key is outside that bound."""
     q, k, v = random_qkv(1)
     tokens = tokens_of(kind)
     for window in [129, 300, 384]:
         flex = compiled_flex(q, k, v, tokens, torch.tensor(window))
         sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=train_gpt.attention_mask(tokens, window, "sdpa"),
                                               scale=SCALE)
-        reference = reference_attention(q, k, v, loop_mask(kind, window))
-        torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=0)
-        torch.testing.assert_close(flex, reference, atol=1e-5, rtol=0)
+        exact = attention_bounds(q, k, v, loop_mask(kind, window), SCALE)
+        for name, out in (("flex", flex), ("sdpa", sdpa)):
+            assert_within(out, exact["out"], exact["out_bound"], f"{name}, window {window}", exact["relative"])
+        narrower = attention_bounds(q, k, v, without_oldest_key(loop_mask(kind, window)), SCALE)
+        with pytest.raises(AssertionError, match="times the derived bound"):
+            assert_within(flex, narrower["out"], narrower["out_bound"], "", narrower["relative"])
+
+
+def without_oldest_key(allowed):
+    """The mask with each query's first allowed key taken away, where it has another."""
+    oldest = allowed.int().argmax(-1)
+    rows = torch.arange(allowed.size(0))[allowed.sum(-1) > 1]
+    narrower = allowed.clone()
+    narrower[rows, oldest[rows]] = False
+    return narrower
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -193,18 +200,20 @@ def test_eager_flex_applies_the_whole_rule():
     on CPU applies it to every pair, gives the windowed attention too, for a window inside a block."""
     q, k, v = random_qkv(2)
     eager = flex_attention(q, k, v, block_mask=train_gpt.attention_mask(tokens_of("none"), 300, "flex"), scale=SCALE)
-    windowed = reference_attention(q, k, v, loop_mask("none", 300))
-    unwindowed = reference_attention(q, k, v, loop_mask("none", T))
-    torch.testing.assert_close(eager, windowed, atol=1e-5, rtol=0)
-    assert (eager - unwindowed).abs().max() > 1e-2
+    windowed = attention_bounds(q, k, v, loop_mask("none", 300), SCALE)
+    unwindowed = attention_bounds(q, k, v, loop_mask("none", T), SCALE)
+    assert_within(eager, windowed["out"], windowed["out_bound"], "eager flex", windowed["relative"])
+    with pytest.raises(AssertionError, match="times the derived bound"):
+        assert_within(eager, unwindowed["out"], unwindowed["out_bound"], "", unwindowed["relative"])
 
 
 @pytest.mark.parametrize("queries", [slice(0, 640), slice(64, 640), slice(639, 640)])
 def test_attend_in_query_blocks_matches_the_reference(queries):
     """attend() runs dense-mask SDPA SDPA_QUERY_BLOCK queries at a time against the keys up to each
-    block's last query: outputs and gradients equal float64 attention over the loop's mask, for all
-    640 positions (three blocks, the last part-full), for the last 576 against all keys (as a KV
-    cache's new positions: three blocks after 64 cached keys) and for the last one alone."""
+    block's last query: outputs and gradients equal float64 attention over the loop's mask within the
+    derived float32 bound, for all 640 positions (three blocks, the last part-full), for the last 576
+    against all keys (as a KV cache's new positions: three blocks after 64 cached keys) and for the
+    last one alone."""
     assert train_gpt.SDPA_QUERY_BLOCK == 256
     torch.manual_seed(5)
     q = torch.randn(1, 2, 640, 32)[:, :, queries].requires_grad_()
@@ -213,9 +222,9 @@ def test_attend_in_query_blocks_matches_the_reference(queries):
     for window in (300, 128):
         mask = train_gpt.attention_mask(tokens_of("many")[:640], window, "sdpa")[queries]
         out = train_gpt.attend(q, k, v, mask, SCALE)
-        reference = reference_attention(q, k, v, loop_mask("many", window)[:640, :640][queries])
-        torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+        exact = attention_bounds(q.detach(), k.detach(), v.detach(), loop_mask("many", window)[:640, :640][queries],
+                                 SCALE, grad_out=probe)
+        assert_within(out, exact["out"], exact["out_bound"], f"output, window {window}", exact["relative"])
         grads = torch.autograd.grad((out * probe).sum(), (q, k, v))
-        reference_grads = torch.autograd.grad((reference * probe).sum(), (q, k, v))
-        for grad, reference_grad in zip(grads, reference_grads):
-            torch.testing.assert_close(grad, reference_grad, atol=1e-5, rtol=0)
+        for name, grad in zip(("dq", "dk", "dv"), grads):
+            assert_within(grad, exact[name], exact[f"{name}_bound"], f"{name}, window {window}", exact["relative"])
