@@ -7,6 +7,7 @@ holds every line that ran. This module imports nothing from train_gpt.py.
 import contextlib
 import dataclasses
 import inspect
+import math
 import os
 import platform
 import re
@@ -348,9 +349,28 @@ def unigram_entropy(sequences: torch.Tensor, vocab_size: int) -> float:
     return float(-(p * p.log()).sum())
 
 
+class Diverged(Exception):
+    """The run finished worse than it started; the message says so and what to try."""
+
+    exit_code = 3  # 2 is bad input, 128 + N a stop signal
+
+
+def divergence(val_losses: dict, output_width: int) -> Diverged | None:
+    """Diverged when the last validation loss is above the step-0 one or, without a step-0 validation (val_loss_every=0,
+    a resumed run), above ln(output_width): the zero-initialized lm_head's loss, where every run starts. Else None."""
+    final = val_losses[max(val_losses)]
+    start = val_losses[0] if 0 in val_losses else math.log(output_width)
+    if final <= start:
+        return None
+    named = f"step 0's {start:.4f}" if 0 in val_losses else f"ln({output_width}) = {start:.4f}, where every run starts"
+    return Diverged(f"the run diverged: final val loss {final:.4f} is above {named}; "
+                    f"lower the learning rates or check the data")
+
+
 def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, val_entropy: float,
-                 checkpoints: list[Path], peak: tuple[float, str]):
-    """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory."""
+                 checkpoints: list[Path], peak: tuple[float, str], diverged: Diverged | None):
+    """Checkpoints, throughput and MFU, gradient buckets, the final loss against the unigram entropy, peak memory, and
+    last the line saying that the run diverged, if it did (train_gpt.py's __main__ prints it on stderr)."""
     args, buckets = trainer.args, trainer.buckets
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
@@ -363,8 +383,10 @@ def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, v
     log(f"validation, off the training clock: {clock.validations} x {args.val_tokens:,} tokens in {clock.validation_ms / 1000:.1f} s")
     final = val_losses[args.num_iterations]
     log(f"final val loss {final:.4f} nats vs {val_entropy:.4f} for the validation tokens' unigram entropy: "
-        f"{val_entropy - final:.4f} nats below")
+        f"{abs(final - val_entropy):.4f} nats {'above' if final > val_entropy else 'below'}")
     log(peak_memory_line(trainer.device))
+    if diverged is not None:
+        log(str(diverged), console=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1585,7 +1585,8 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input."""
+    """Train; returns the losses (tests use it). Raises ConfigError / DataError on bad input, Preempted on a stop
+    signal, and Diverged, once the run has written everything, when it ended worse than it started."""
     sources = support.logged_sources([Path(__file__), Path(support.__file__)])  # every run logs its exact code
     argv = sys.argv[1:] if argv is None else argv
     allocator = configure_cuda_allocator()  # before anything touches CUDA
@@ -1635,7 +1636,10 @@ def main(argv: list[str] | None = None) -> dict:
         val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step,
                                                               clock, stop, argv, [resume_from] if args.resume else [])
         val_entropy = support.unigram_entropy(val_sequences, args.vocab_size)
-        support.final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak)
+        diverged = support.divergence(val_losses, trainer.model.lm_head.out_features)
+        support.final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak, diverged)
+        if diverged is not None:  # after everything is written: the log, the final checkpoint
+            raise diverged
         return dict(val_losses=val_losses, train_losses=train_losses, unigram_entropy=val_entropy,
                     log_path=log.path, checkpoints=checkpoints, run_id=run_id)
     finally:
@@ -1652,7 +1656,7 @@ if __name__ == "__main__":
     except (ConfigError, DataError, FloatingPointError, support.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except support.Preempted as e:
+    except (support.Preempted, support.Diverged) as e:  # every rank exits so; rank 0 says why
         if int(os.environ.get("RANK", 0)) == 0:
             print(e, file=sys.stderr)
         sys.exit(e.exit_code)

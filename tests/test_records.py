@@ -54,7 +54,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("records_runs")
     rng = np.random.default_rng(0)
     for name, n in (("train", 50_000), ("val", 5_000)):
-        tokens = rng.integers(0, TINY_VOCAB, n)
+        tokens = (rng.zipf(1.2, n) - 1) % TINY_VOCAB  # learnable: on uniform tokens a run may end above its start
         shards.write_shard(tmp / f"tiny_{name}_000000.bin", tokens)
 
     source = (ROOT / "train_gpt.py").read_text()
@@ -322,6 +322,21 @@ def test_stats_with_a_non_finite_final_loss_says_so(tmp_path, capsys, loss):
                         "is not finite)\n")
 
 
+def test_stats_notes_a_run_that_diverged(runs, tmp_path, capsys):
+    """Above step 0's loss, or without a step-0 line above ln(padded vocab_size); a log that holds neither is
+    not judged."""
+    base = runs["paths"]["base"]
+    diverged = _edit(base, tmp_path, lambda t: _with_final_val_loss(t, "7.5000"))
+    no_step_0 = tmp_path / "no_step_0.txt"
+    no_step_0.write_text(_with_final_val_loss(_without_step_0(base.read_text()), "6.9400"))
+    unjudged = _tiny_log(tmp_path / "unjudged.txt", loss="9.0000")
+    assert records.main(["stats", str(base), str(diverged), str(no_step_0), str(unjudged), "--target", "6"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    notes = [row[header.index("note"):] for row in rows[:4]]
+    assert notes == ["", "diverged: final val loss 7.5000 is above step 0's 6.9315",
+                     "diverged: final val loss 6.9400 is above ln(1024) = 6.9315, where every run starts", ""]
+
+
 # ------------------------------------------------------------------------------------------------
 # plot
 
@@ -333,8 +348,10 @@ def test_plot_writes_a_png_of_the_requested_size(runs, tmp_path, capsys):
     out = tmp_path / "curves.png"
     args = ["plot", str(p["base"]), str(p["seed1"]), str(p["edited"]), "-o", str(out), "--dpi", "40"]
     assert records.main(args) == 0
-    image = matplotlib.image.imread(out)
-    assert image.shape[:2] == (round(records.FIGSIZE[1] * 40), round(records.FIGSIZE[0] * 40))
+    fig = records.plot_figure([records.parse_log(p[k]) for k in ("base", "seed1", "edited")], None, dpi=40)
+    width, height = fig.get_size_inches() * 40
+    assert width == records.PLOT_WIDTH * 40
+    assert matplotlib.image.imread(out).shape[:2] == pytest.approx((height, width), abs=1)  # whole pixels
     before = out.read_bytes()
     assert records.main(args) == 2  # refuses to overwrite
     assert "--force" in capsys.readouterr().err
@@ -353,7 +370,8 @@ def test_plot_leaves_out_a_log_without_validation_lines(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.err == f"warning: {silent}: no validation lines; not plotted\n"
     assert captured.out == f"wrote {out} (1 runs)\n"
-    assert matplotlib.image.imread(out).shape[:2] == (round(records.FIGSIZE[1] * 20), round(records.FIGSIZE[0] * 20))
+    width, height = records.plot_figure([records.parse_log(good)], records.CPU_TARGET, dpi=20).get_size_inches() * 20
+    assert matplotlib.image.imread(out).shape[:2] == pytest.approx((height, width), abs=1)
 
 
 def test_plot_with_no_validation_line_at_all_writes_nothing(tmp_path, capsys):
@@ -365,6 +383,147 @@ def test_plot_with_no_validation_line_at_all_writes_nothing(tmp_path, capsys):
     assert captured.err.splitlines() == [*(f"warning: {log}: no validation lines; not plotted" for log in logs),
                                          "error: no validation lines in any log; nothing to plot"]
     assert not out.parent.exists()
+
+
+def _curve_log(path: Path, points: list[tuple], total: int, run_id: str | None = None) -> Path:
+    """A made-up log whose validation lines are points: (step, val loss, train_time in ms or None),
+    of a run of total steps; run_id, if given, in a hyperparameters block."""
+    hparams = f"hyperparameters (preset cpu):\n  run_id: {run_id!r}\n" if run_id else ""
+    lines = [f"step:{step}/{total} val_loss:{loss:.4f}" + (f" train_time:{ms}ms" if ms is not None else "")
+             for step, loss, ms in points]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"x = 1\n{SEP}\n{hparams}" + "\n".join(lines) + "\n")
+    return path
+
+
+def _figure(paths: list[Path], target: float | None):
+    """plot's figure of these logs, and its panels: zoomed by time, zoomed by step, whole by time,
+    whole by step, each checked by its title and axis labels."""
+    fig = records.plot_figure([records.parse_log(path) for path in paths], target, dpi=50)
+    panels = fig.axes
+    assert [ax.get_title() for ax in panels] == ["val loss against training time (zoomed)",
+                                                 "val loss against step (zoomed)", "whole runs", "whole runs"]
+    assert [ax.get_xlabel() for ax in panels] == ["training time (s)", "step"] * 2
+    assert {ax.get_ylabel() for ax in panels} == {"val loss"}
+    return fig, panels
+
+
+def _padded(low: float, high: float) -> tuple[float, float]:
+    pad = records.ZOOM_MARGIN * (high - low)
+    return pytest.approx((low - pad, high + pad), abs=1e-9)
+
+
+def _crossing(a: tuple[float, float], b: tuple[float, float], level: float) -> float:
+    """Where the segment from point a down to point b crosses level."""
+    (x0, y0), (x1, y1) = a, b
+    return x0 + (x1 - x0) * (y0 - level) / (y0 - y1)
+
+
+# Three complete runs of 120 steps ending just below and above a target of 3.28, with times.
+CURVES = {"a": [(0, 10.0, 0), (50, 4.0, 5000), (100, 3.30, 10000), (120, 3.270, 12000)],
+          "b": [(0, 10.0, 0), (50, 4.1, 5100), (100, 3.31, 10100), (120, 3.275, 12300)],
+          "c": [(0, 10.0, 0), (50, 4.2, 5200), (100, 3.32, 10200), (120, 3.283, 12100)]}
+
+
+def test_plot_zooms_from_the_lowest_loss_to_just_above_the_target(tmp_path):
+    paths = [_curve_log(tmp_path / f"{name}.txt", points, 120) for name, points in CURVES.items()]
+    fig, (zoom_time, zoom_step, full_time, full_step) = _figure(paths, 3.28)
+    bottom, top = 3.270, 3.283  # the lowest loss; the highest final loss, above the target
+    for zoom in (zoom_time, zoom_step):
+        assert zoom.get_ylim() == _padded(bottom, top)
+    zoom_top = zoom_step.get_ylim()[1]
+    # from where the first line enters the zoom from above to the last step, or time (ms to s)
+    for zoom, x, per_unit in ((zoom_step, 0, 1), (zoom_time, 2, 1000)):
+        ends = [points[-1][x] / per_unit for points in CURVES.values()]
+        entries = [_crossing((p[-2][x], p[-2][1]), (p[-1][x], p[-1][1]), zoom_top) / per_unit for p in CURVES.values()]
+        assert zoom.get_xlim() == _padded(min(entries), max(ends))
+    for ax in (zoom_time, zoom_step, full_time, full_step):
+        target_lines = [line for line in ax.get_lines() if line.get_label() == "target 3.28"]
+        assert len(target_lines) == 1 and list(target_lines[0].get_ydata()) == [3.28, 3.28]
+    for full in (full_time, full_step):  # whole curves: from the first loss of 10
+        low, high = full.get_ylim()
+        assert low < 3.270 and high > 10.0
+    assert full_step.get_xlim()[0] < 0 < 120 < full_step.get_xlim()[1]
+
+
+def test_plot_zoom_of_runs_far_above_the_target_shows_their_ends_and_the_target(tmp_path):
+    paths = [_curve_log(tmp_path / "a.txt", [(0, 10.0, 0), (100, 3.6, 9000), (200, 3.5, 18000)], 200),
+             _curve_log(tmp_path / "b.txt", [(0, 10.0, 0), (100, 3.7, 9000), (200, 3.6, 18500)], 200)]
+    fig, (zoom_time, zoom_step, _, _) = _figure(paths, 3.28)
+    for zoom, ends in ((zoom_time, [(18.0, 3.5), (18.5, 3.6)]), (zoom_step, [(200, 3.5), (200, 3.6)])):
+        assert zoom.get_ylim() == _padded(3.28, 3.6)
+        (left, right), (low, high) = zoom.get_xlim(), zoom.get_ylim()
+        assert all(left < x < right and low < loss < high for x, loss in ends)
+
+
+def test_plot_without_a_target_zooms_on_the_final_losses_of_complete_runs(tmp_path):
+    dips = [(0, 10.0, 0), (100, 3.30, 10000), (110, 3.265, 11000), (120, 3.279, 12000)]  # lowest before its end
+    paths = [_curve_log(tmp_path / "a.txt", CURVES["a"], 120), _curve_log(tmp_path / "dips.txt", dips, 120),
+             _curve_log(tmp_path / "stopped.txt", CURVES["b"][:2], 120)]  # stopped at step 50, loss 4.1
+    fig, (zoom_time, zoom_step, full_time, full_step) = _figure(paths, None)
+    for zoom in (zoom_time, zoom_step):
+        assert zoom.get_ylim() == _padded(3.265, 3.279)
+    for ax in (zoom_time, zoom_step, full_time, full_step):
+        assert not [line for line in ax.get_lines() if line.get_label().startswith("target")]
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == [
+        f"{tmp_path.name}/a", f"{tmp_path.name}/dips", f"{tmp_path.name}/stopped"]
+
+
+@pytest.mark.parametrize("target", [None, records.CPU_TARGET])
+def test_plot_of_one_run_with_one_validation(target, tmp_path):
+    """track_cpu's records validate once, at the end: one point per run."""
+    fig, (zoom_time, zoom_step, _, _) = _figure([_tiny_log(tmp_path / "run.txt", loss="5.0000")], target)
+    for zoom, x in ((zoom_time, 1.0), (zoom_step, 2)):
+        (left, right), (low, high) = zoom.get_xlim(), zoom.get_ylim()
+        assert left < x < right and low < 5.0 < high
+        if target is not None:
+            assert (low, high) == _padded(5.0, target)
+        else:  # no span: widened by the margin of the loss itself
+            assert (low, high) == pytest.approx((5.0 * (1 - records.ZOOM_MARGIN), 5.0 * (1 + records.ZOOM_MARGIN)))
+
+
+def test_plot_leaves_points_without_a_time_out_of_the_time_panels_only(tmp_path):
+    some = [(0, 10.0, None), (100, 3.30, 10000), (120, 3.270, None)]
+    paths = [_curve_log(tmp_path / "timed.txt", CURVES["a"], 120), _curve_log(tmp_path / "some.txt", some, 120),
+             _curve_log(tmp_path / "untimed.txt", [(s, loss, None) for s, loss, _ in CURVES["b"]], 120)]
+    fig, (zoom_time, zoom_step, full_time, full_step) = _figure(paths, 3.28)
+    for ax in (full_time, zoom_time):
+        timed, partly, untimed, _target = ax.get_lines()
+        assert list(timed.get_xdata()) == [0, 5, 10, 12] and list(partly.get_xdata()) == [10]
+        assert list(partly.get_ydata()) == [3.30] and len(untimed.get_xdata()) == 0
+    for ax in (full_step, zoom_step):
+        assert [list(line.get_xdata()) for line in ax.get_lines()[:3]] == [[0, 50, 100, 120], [0, 100, 120],
+                                                                          [0, 50, 100, 120]]
+    assert zoom_time.get_ylim() == zoom_step.get_ylim() == _padded(3.270, 3.28)
+    assert len(fig.legends[0].get_texts()) == 4
+
+
+def test_plot_names_runs_by_record_folder_and_run_name(tmp_path):
+    uuid = "0ecdb695-510b-4c3b-b030-09861a162ce8"
+    paths = [_curve_log(tmp_path / "track_cpu" / "2026-11-24_LossExp2" / "cpu_seed0.txt", CURVES["a"], 120,
+                        run_id="B-s0"),
+             _curve_log(tmp_path / "track_cpu" / "2026-11-25_AdamLrHalf" / "cpu_seed1.txt", CURVES["b"], 120),
+             _curve_log(tmp_path / "track_1_short" / "2025-09-10_Yarn" / f"{uuid}.txt", CURVES["c"], 120)]
+    fig, _ = _figure(paths, 3.28)
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == [
+        "2026-11-24_LossExp2/B-s0", "2026-11-25_AdamLrHalf/cpu_seed1", "2025-09-10_Yarn/0ecdb695", "target 3.28"]
+
+
+@pytest.mark.parametrize("folders", [1, 4])
+def test_plot_legend_of_20_runs_names_each_distinctly_and_fits_under_the_panels(folders, tmp_path):
+    paths = [_curve_log(tmp_path / f"2026-11-24_NorMuon_CautiousWD_85steps_{i % folders}" / f"cpu_seed{i}.txt",
+                        [(0, 10.0, 0), (100, 3.27 + i / 1000, 10000 + i)], 100) for i in range(20)]
+    fig, panels = _figure(paths, 3.28)
+    legend, = fig.legends
+    texts = [text.get_text() for text in legend.get_texts()]
+    assert len(set(texts)) == len(texts) == 21 and texts[-1] == "target 3.28"
+    assert texts[:20] == [f"{path.parent.name}/{path.stem}" for path in paths]
+    runs = panels[1].get_lines()[:20]
+    assert len({(line.get_color(), line.get_linestyle(), line.get_marker()) for line in runs}) == 20
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+    assert all(not box.overlaps(ax.get_window_extent()) for ax in panels)  # it covers no curve
 
 
 # ------------------------------------------------------------------------------------------------
@@ -523,6 +682,11 @@ def _without_validation_lines(text: str) -> str:
                                          if not (line.startswith("step:") and " val_loss:" in line))
 
 
+def _without_step_0(text: str) -> str:
+    source, body = text.split(SEP + "\n", 1)
+    return source + SEP + "\n" + re.sub(r"^step:0/\d+ val_loss:.*\n", "", body, count=1, flags=re.M)
+
+
 def _resumed(text: str) -> str:
     source, body = text.split(SEP + "\n", 1)
     first_step = body.index("\nstep:") + 1
@@ -544,6 +708,12 @@ SUBMIT_LOG_REFUSALS = {
                          "error: {0}: the final val loss is nan"),
     "resumed": (lambda base, d: [base, _edit(base, d, _resumed)],
                 "error: {1}: a resumed run; its train_time does not cover the whole run"),
+    # the base run validates step 0 at ln(1024), its untrained loss; without that line its logged vocab_size counts
+    "diverged": (lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(t, "6.9316"))],
+                 "error: {0}: the run diverged: final val loss 6.9316 is above step 0's 6.9315"),
+    "diverged, no step-0 line": (
+        lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(_without_step_0(t), "6.9316"))],
+        "error: {0}: the run diverged: final val loss 6.9316 is above ln(1024) = 6.9315, where every run starts"),
 }
 
 

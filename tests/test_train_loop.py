@@ -145,6 +145,79 @@ def test_a_non_finite_validation_loss_stops_the_run_naming_the_step(tiny_shards,
         run(tiny_shards, tmp_path, "--num_iterations=2", "--val_loss_every=1")
 
 
+HUGE_LRS = ["--head_lr=1e6", "--embed_lr=1e6", "--scalar_lr=1e6", "--muon_lr=1e6"]
+ENTROPY_LINE = re.compile(r"^final val loss (\S+) nats vs (\S+) for the validation tokens' unigram entropy: (\S+) nats "
+                          r"(above|below)$", re.M)
+
+
+def run_script(tiny_shards, tmp_path, *extra, run_id):
+    """train_gpt.py as a command: (exit status, stderr, the log)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *TINY_RUN, *tiny_shards, f"--run_id={run_id}",
+                           f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}", *extra],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr, (tmp_path / "logs" / f"{run_id}.txt").read_text()
+
+
+def test_a_diverged_run_writes_everything_then_says_so_and_exits_3(tiny_shards, tmp_path):
+    """Every learning rate at 1e6: the softcap keeps the loss finite, so nothing stops the run. Without a step-0
+    validation (the cpu preset's) it is judged against ln(1024), the zero-initialized lm_head's loss."""
+    status, stderr, log = run_script(tiny_shards, tmp_path, "--num_iterations=3", "--save_checkpoint", *HUGE_LRS,
+                                     run_id="huge")
+    final = re.search(r"^step:3/3 val_loss:(\S+) ", log, re.M)[1]
+    said = (f"the run diverged: final val loss {final} is above ln(1024) = 6.9315, where every run starts; "
+            f"lower the learning rates or check the data")
+    assert (status, stderr.splitlines()) == (3, [said])
+    assert log.splitlines()[-1] == said and log.splitlines()[-2].startswith("peak memory (RSS): ")
+    entropy = ENTROPY_LINE.search(log)
+    assert entropy[1] == final and entropy[4] == "above" and float(final) > math.log(1024)
+    assert f"checkpoint: {tmp_path / 'ckpt' / 'huge' / 'step_000003.pt'}" in log
+    assert (tmp_path / "ckpt" / "huge" / "step_000003.pt").is_file()
+
+
+def test_a_short_run_above_the_unigram_entropy_but_below_its_start_exits_0(tiny_shards, tmp_path):
+    status, stderr, log = run_script(tiny_shards, tmp_path, "--num_iterations=3", "--val_loss_every=3", run_id="short")
+    assert (status, stderr) == (0, "")
+    start, final = (re.search(rf"^step:{step}/3 val_loss:(\S+) ", log, re.M)[1] for step in (0, 3))
+    args, _ = train_gpt.parse_args([*TINY_RUN, *tiny_shards], "cpu")
+    entropy = train_gpt.support.unigram_entropy(
+        train_gpt.validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, TINY_VOCAB), TINY_VOCAB)
+    line = ENTROPY_LINE.search(log)
+    assert (line[1], line[2], line[4]) == (final, f"{entropy:.4f}", "above")
+    assert float(line[3]) == pytest.approx(float(final) - entropy, abs=1e-4)  # the logged loss is rounded
+    assert entropy < float(final) < float(start) == round(math.log(1024), 4)
+    assert log.splitlines()[-1].startswith("peak memory (RSS): ") and "diverged" not in log.split("=" * 100)[-1]
+
+
+def test_a_run_below_the_unigram_entropy_says_below(tmp_path):
+    """Tokens counting 0..999 over and over: a few steps learn their successor beyond what their counts tell."""
+    import numpy as np
+    import shards
+    for name in ("train", "val"):
+        shards.write_shard(tmp_path / f"count_{name}_000000.bin", np.arange(20_000) % TINY_VOCAB)
+    result = run([f"--train_files={tmp_path}/count_train_*.bin", f"--val_files={tmp_path}/count_val_*.bin"], tmp_path,
+                 "--num_iterations=3")
+    final, entropy = result["val_losses"][3], result["unigram_entropy"]
+    assert ENTROPY_LINE.findall(Path(result["log_path"]).read_text()) == [
+        (f"{final:.4f}", f"{entropy:.4f}", f"{entropy - final:.4f}", "below")]
+    assert final < entropy
+
+
+@pytest.mark.parametrize("val_losses, said", [
+    ({0: 6.9315, 4: 6.9316}, "final val loss 6.9316 is above step 0's 6.9315"),
+    ({0: 6.5, 4: 6.6}, "final val loss 6.6000 is above step 0's 6.5000"),  # below ln(1024): step 0 decides
+    ({4: 6.94}, "final val loss 6.9400 is above ln(1024) = 6.9315, where every run starts"),
+    ({0: 6.9315, 4: 6.9315}, None),
+    ({4: 6.93}, None),
+    ({2: 6.0, 4: 6.5}, None),  # resumed at step 2: below where the run started, ln(1024)
+])
+def test_a_run_diverged_when_it_ends_above_where_it_started(val_losses, said):
+    diverged = train_gpt.support.divergence(val_losses, 1024)
+    if said is None:
+        assert diverged is None
+    else:
+        assert str(diverged) == f"the run diverged: {said}; lower the learning rates or check the data"
+
+
 def test_train_time_holds_the_shard_reads_but_not_our_token_check(tiny_shards, tmp_path, monkeypatch):
     """As in the record, reading a shard is on the training clock, the first one included (it is read for
     the first batch); checking its token ids is ours, off the clock. Two shards of one batch each, on a

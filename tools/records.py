@@ -13,7 +13,9 @@ of each file it logs after it (run_support.py), each after a header naming it; a
 environment, the hyperparameters, then speedrun step lines such as
     step:1770/1770 val_loss:3.2794 train_time:178412ms step_avg:100.80ms
 Only the step-line fields are needed, so logs of other speedrun forks work too. A run's final val
-loss is the val_loss of its last validation line, and its training time that line's train_time.
+loss is the val_loss of its last validation line, and its training time that line's train_time. A
+run diverged when that loss is above its step-0 one (without a step-0 line, above ln of its logged
+vocab_size padded as the lm_head is, where every run starts): stats notes it, submit refuses it.
 A PATH may also be a record folder (records/<track>/<YYYY-MM-DD>_<Name>/), meaning its *.txt logs.
 
 scipy and matplotlib are imported only by the commands that need them, so list/diff/check start fast.
@@ -40,6 +42,7 @@ DEFAULT_RECORDS_DIR = ROOT / "records"
 SEPARATOR = "=" * 100  # train_gpt.py writes it after the source
 SECTION_RULE = "-" * 40  # before and after the "# NAME" line that starts each logged file after the first
 FIRST_FILE = "train_gpt.py"  # the logged source's first file (older logs hold only it)
+VOCAB_PADDING = 128  # train_gpt.py, as upstream, widens the lm_head to a multiple of this many tokens
 
 P_THRESHOLD = 0.01  # the rules: mean final val loss below the target with p < 0.01 (one-sided t-test)
 CPU_TARGET = 5.43  # track_cpu's target: one nat below the unigram entropy (6.4312) of its val tokens
@@ -221,6 +224,24 @@ def parse_loss(text: str) -> float:
         return float(text)
     except ValueError:  # "1.2.3": a malformed number; treat it as no loss at all
         return math.nan
+
+
+def divergence(log: Log) -> str | None:
+    """Why the run diverged, or None: train_gpt.py's rule (run_support.divergence), redone on the logged (rounded)
+    losses so that it also judges upstream's logs and ours from before the rule. None where nothing logged compares."""
+    final, start = log.final, next((v.loss for v in log.vals if v.step == 0), None)
+    if final is None:
+        return None
+    if start is not None:
+        named = f"step 0's {start:.4f}"
+    else:
+        vocab = literal_or_none(log.hparams.get("vocab_size"))
+        if type(vocab) is not int or vocab < 1:
+            return None
+        width = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+        start = math.log(width)
+        named = f"ln({width}) = {start:.4f}, where every run starts"
+    return f"final val loss {final.loss:.4f} is above {named}" if final.loss > start else None
 
 
 def record_logs(folder: Path) -> list[Path]:
@@ -579,8 +600,10 @@ def cmd_stats(args) -> int:
     print(f"{'run'.ljust(width)}  {'final val loss':>14}  {'train_time':>12}  note")
     for log, name in zip(logs, names):
         final = log.final
-        note = "" if log.complete else ("no validation line" if final is None else
-                                        f"last validation at step {final.step} of {final.total}: incomplete")
+        diverged = divergence(log)
+        note = ("no validation line" if final is None else
+                f"last validation at step {final.step} of {final.total}: incomplete" if not log.complete else
+                f"diverged: {diverged}" if diverged else "")
         loss = f"{final.loss:.4f}" if final else "-"
         time_ms = f"{final.time_ms}ms" if final and final.time_ms is not None else "-"
         print(f"{name.ljust(width)}  {loss:>14}  {time_ms:>12}  {note}".rstrip())
@@ -597,7 +620,140 @@ def cmd_stats(args) -> int:
     return 0
 
 
-FIGSIZE = (12.0, 4.5)  # inches; the PNG is FIGSIZE * dpi pixels
+PLOT_WIDTH = 12.0  # inches; the PNG is PLOT_WIDTH * dpi pixels wide
+ZOOM_HEIGHT, FULL_HEIGHT = 4.0, 2.4  # inches: the zoomed panels, and the whole-run panels under them
+ZOOM_MARGIN = 0.08  # of a zoom's span, added beyond its extremes so no point sits on the frame
+LEGEND_FONTSIZE = 8  # points
+RUN_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+              "tab:olive", "tab:cyan", "tab:gray")  # matplotlib's tab10, grey last: the target line is black
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", ":", "-.")
+UUID_RE = re.compile(r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}", re.IGNORECASE)
+
+
+def plot_label(log: Log) -> str:
+    """'<record folder>/<run name>': the log's folder, then its run_id (else file name), a uuid (the
+    name upstream's logs and train_gpt.py's default run_id have) cut to its first 8 hex digits."""
+    name = log.label
+    return f"{log.path.parent.name}/{name[:8] if UUID_RE.fullmatch(name) else name}"
+
+
+def run_styles(logs: list[Log]) -> list[dict]:
+    """Line properties for each log. With logs from several folders the colour names the record and
+    the marker the run within it; from one folder the colour names the run. Each pass through
+    RUN_COLORS changes the line style and shifts the markers, so that 40 runs stay distinct."""
+    folders = list(dict.fromkeys(log.path.resolve().parent for log in logs))
+    groups = [folders.index(log.path.resolve().parent) if len(folders) > 1 else i for i, log in enumerate(logs)]
+    styles = []
+    for i, group in enumerate(groups):
+        cycle = group // len(RUN_COLORS)
+        styles.append(dict(color=RUN_COLORS[group % len(RUN_COLORS)], linestyle=LINESTYLES[cycle % len(LINESTYLES)],
+                           marker=MARKERS[(groups[:i].count(group) + cycle) % len(MARKERS)]))
+    return styles
+
+
+def padded(low: float, high: float) -> tuple[float, float]:
+    """low..high widened by ZOOM_MARGIN of its span each way; a span of 0 by that of its size instead."""
+    pad = ZOOM_MARGIN * ((high - low) or max(abs(high), 1.0))
+    return low - pad, high + pad
+
+
+def zoom_window(logs: list[Log], target: float | None) -> tuple[float, float] | None:
+    """The val losses where records are decided, padded: from the lowest loss shown (or the target,
+    if lower) up to the target or the highest final loss, whichever is higher. Final losses are
+    those of the complete runs, or of all runs when none is complete (a run still going or
+    stopped early would stretch the zoom to its current loss). Without a target the final losses
+    alone bound it above. None when no loss is finite."""
+    ends = [log.final.loss for log in ([log for log in logs if log.complete] or logs)]
+    levels = [x for x in [*ends, target] if x is not None and math.isfinite(x)]
+    lows = [v.loss for log in logs for v in log.vals if math.isfinite(v.loss)] + levels
+    if not lows:
+        return None
+    return padded(min(lows), max(levels or lows))
+
+
+def x_window(curves: list[list[tuple[float, float]]], bottom: float, top: float) -> tuple[float, float] | None:
+    """The x range, padded, of each curve's (x, loss) points within bottom..top, and of where the
+    segment before its first one there crosses top, so the line entering the zoom from above shows.
+    None when no point is within."""
+    xs = []
+    for points in curves:
+        inside = [i for i, (_, loss) in enumerate(points) if bottom <= loss <= top]
+        if inside:
+            first, last = inside[0], inside[-1]
+            xs += [x for x, _ in points[first:last + 1]]
+            if first and math.isfinite(points[first - 1][1]):
+                (x0, y0), (x1, y1) = points[first - 1:first + 1]
+                xs.append(x1 - (x1 - x0) * (top - y1) / (y0 - y1))
+    return padded(min(xs), max(xs)) if xs else None
+
+
+def legend_layout(entries: list[str], renderer) -> tuple[int, float]:
+    """(columns, height in inches) of a legend of these entries across PLOT_WIDTH: as many columns as
+    fit, each as wide as the widest entry and its line sample, with matplotlib's spacings around.
+    Text is measured as renderer draws it: at a low dpi it is relatively wider."""
+    import matplotlib
+    from matplotlib.font_manager import FontProperties
+
+    rc = matplotlib.rcParams
+    font = FontProperties(size=LEGEND_FONTSIZE)
+    widest = max(renderer.get_text_width_height_descent(text, font, ismath=False)[0]
+                 for text in entries) * 72 / renderer.dpi
+    column = widest + (rc["legend.handlelength"] + rc["legend.handletextpad"]) * LEGEND_FONTSIZE  # points
+    gap = rc["legend.columnspacing"] * LEGEND_FONTSIZE
+    frame = 2 * (rc["legend.borderpad"] + rc["legend.borderaxespad"]) * LEGEND_FONTSIZE
+    columns = max(1, min(len(entries), int((PLOT_WIDTH * 72 - frame + gap) // (column + gap))))
+    rows = math.ceil(len(entries) / columns)
+    return columns, (rows * (1 + rc["legend.labelspacing"]) * LEGEND_FONTSIZE + frame) / 72
+
+
+def plot_figure(logs: list[Log], target: float | None, dpi: int):
+    """The figure cmd_plot saves, for logs with validation lines: val loss against training time
+    (left) and step (right), above zoomed to zoom_window with the x range x_window gives, below over
+    the whole runs; the target a dashed black line; under it all one legend naming each run by
+    plot_label. Points without a train_time are left out of the time panels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    names = [plot_label(log) for log in logs]
+    entries = names + ([f"target {target:g}"] if target is not None else [])
+    fig = Figure(dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)  # a figure made without pyplot needs a canvas to draw on
+    columns, legend_height = legend_layout(entries, fig.canvas.get_renderer())
+    fig.set_size_inches(PLOT_WIDTH, ZOOM_HEIGHT + FULL_HEIGHT + legend_height)
+    (zoom_time, zoom_step), (full_time, full_step) = fig.subplots(2, 2, height_ratios=(ZOOM_HEIGHT, FULL_HEIGHT))
+    window = zoom_window(logs, target)
+    styles = run_styles(logs)
+    by_time = [[(v.time_ms / 1000, v.loss) for v in log.vals if v.time_ms is not None] for log in logs]
+    by_step = [[(v.step, v.loss) for v in log.vals] for log in logs]
+    for zoom, full, curves, xlabel in ((zoom_time, full_time, by_time, "training time (s)"),
+                                       (zoom_step, full_step, by_step, "step")):
+        for ax, size in ((zoom, 5), (full, 3)):
+            for points, style, label in zip(curves, styles, names):
+                ax.plot([x for x, _ in points], [loss for _, loss in points], label=label, markersize=size,
+                        linewidth=1.2, **style)
+            if target is not None:
+                ax.axhline(target, color="black", linestyle="--", linewidth=1, label=entries[-1])
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("val loss")
+            ax.grid(True, alpha=0.3)
+            if not any(curves):
+                ax.text(0.5, 0.5, "no train_time in these logs", transform=ax.transAxes, ha="center")
+        if window:
+            zoom.set_ylim(window)
+        xs = x_window(curves, *window) if window else None
+        if xs:
+            zoom.set_xlim(xs)
+        zoom.ticklabel_format(axis="y", useOffset=False)
+    for ax in (zoom_step, full_step):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    zoom_time.set_title("val loss against training time (zoomed)")
+    zoom_step.set_title("val loss against step (zoomed)")
+    for full in (full_time, full_step):
+        full.set_title("whole runs", fontsize="medium")
+    fig.legend(handles=zoom_step.get_lines(), loc="outside lower center", ncols=columns, fontsize=LEGEND_FONTSIZE)
+    return fig
 
 
 def cmd_plot(args) -> int:
@@ -612,38 +768,13 @@ def cmd_plot(args) -> int:
     if not plotted:
         raise RecordsError("no validation lines in any log; nothing to plot")
     target = args.target if args.target is not None else infer_target(logs)[0]
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=args.dpi)
-    for log, label in zip(plotted, labels(plotted)):
-        timed = [v for v in log.vals if v.time_ms is not None]
-        line, = by_time.plot([v.time_ms / 1000 for v in timed], [v.loss for v in timed], marker=".", label=label)
-        by_step.plot([v.step for v in log.vals], [v.loss for v in log.vals], marker=".", label=label,
-                     color=line.get_color())
-    for ax, xlabel in ((by_time, "training time (s)"), (by_step, "step")):
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("val loss")
-        ax.grid(True, alpha=0.3)
-        ax.ticklabel_format(axis="y", useOffset=False)
-    by_step.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    by_time.set_title("val loss against training time")
-    by_step.set_title("val loss against step")
-    by_step.legend(fontsize="small")
-    fig.tight_layout()
+    fig = plot_figure(plotted, target, args.dpi)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=args.dpi)
-        plt.close(fig)
         if args.force:
             os.replace(tmp, out)
         else:
@@ -788,7 +919,7 @@ def readme_text(track_name: str, name: str, date: str, logs: list[Log], prev_not
 
 
 def submittable_logs(paths: list[Path]) -> list[Log]:
-    """The parsed logs of one record's runs: each finished, not resumed, and all of the same source."""
+    """The parsed logs of one record's runs: each finished, not diverged, not resumed, and all of the same source."""
     for path in paths:
         if not path.is_file():
             raise RecordsError(f"{path}: no such log file")
@@ -806,6 +937,9 @@ def submittable_logs(paths: list[Path]) -> list[Log]:
                                f"of {log.final.total}; did the run finish?)")
         if not math.isfinite(log.final.loss):
             raise RecordsError(f"{log.path}: the final val loss is {log.final.loss}")
+        diverged = divergence(log)
+        if diverged:
+            raise RecordsError(f"{log.path}: the run diverged: {diverged}")
         if log.resumed:
             raise RecordsError(f"{log.path}: a resumed run; its train_time does not cover the whole run")
     for log in logs[1:]:
@@ -891,11 +1025,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help="log files or record folders")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("plot", parents=[target_opt], help="val loss against training time and step, to a PNG")
+    p = sub.add_parser("plot", parents=[target_opt], help="val loss against training time and step, to a PNG",
+                       description="Val loss against training time and against step. Above, zoomed where records "
+                                   "are decided: from the lowest loss shown (or the target, if lower) up to the "
+                                   "target or the highest final loss of the complete runs, whichever is higher, "
+                                   f"widened by {ZOOM_MARGIN:.0%} of that span each way; with no target known, the "
+                                   "final losses alone bound it above. Below, the whole runs. The legend names each "
+                                   "run <record folder>/<run_id or file name>, a uuid cut to 8 hex digits.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="log files or record folders")
     p.add_argument("-o", "--output", required=True, metavar="FILE.png")
     p.add_argument("--force", action="store_true", help="overwrite FILE.png if it exists")
-    p.add_argument("--dpi", type=int, default=100, help=f"pixels per inch; the figure is {FIGSIZE[0]:g}x{FIGSIZE[1]:g} in")
+    p.add_argument("--dpi", type=int, default=100, help=f"pixels per inch; the figure is {PLOT_WIDTH:g} in wide")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("check", parents=[color_opt], help="is a log's source exactly the current train_gpt.py "
