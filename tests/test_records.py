@@ -214,8 +214,8 @@ def test_diff_color_never_prints_plain_lines(tmp_path, capsys):
 # paths that are no log: one error line, exit status 2, nothing written
 
 PATH_REFUSALS = [
-    (["stats", "{empty}"], "error: {empty}: a folder with no *.txt logs"),
-    (["plot", "{empty}", "-o", "{out}/p.png"], "error: {empty}: a folder with no *.txt logs"),
+    (["stats", "{empty}"], "error: {empty}: a folder with no *.txt logs and no record folders holding any"),
+    (["plot", "{empty}", "-o", "{out}/p.png"], "error: {empty}: a folder with no *.txt logs and no record folders holding any"),
     (["diff", "{empty}", "{log}"], "error: {empty}: a folder with no *.txt logs"),
     (["diff", "{log}", "{missing}"], "error: {missing}: no such log file or record folder"),
     (["check", "{missing}"], "error: {missing}: cannot read (No such file or directory)"),
@@ -507,6 +507,17 @@ def test_plot_names_runs_by_record_folder_and_run_name(tmp_path):
     fig, _ = _figure(paths, 3.28)
     assert [text.get_text() for text in fig.legends[0].get_texts()] == [
         "2026-11-24_LossExp2/B-s0", "2026-11-25_AdamLrHalf/cpu_seed1", "2025-09-10_Yarn/0ecdb695", "target 3.28"]
+
+
+def test_a_track_folder_means_every_records_logs_oldest_first(tmp_path):
+    track = tmp_path / "track_cpu"
+    paths = [_curve_log(track / folder / name, CURVES["a"], 120) for folder, name in
+             (("2026-11-25_AdamLrHalf", "s0.txt"), ("2026-11-24_LossExp2", "s1.txt"), ("2026-11-24_LossExp2", "s0.txt"))]
+    (track / "notes").mkdir()  # not a record folder
+    assert records.expand_paths([str(track)]) == [paths[2], paths[1], paths[0]]
+    fig, _ = _figure(records.expand_paths([str(track)]), 3.28)
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == [
+        "2026-11-24_LossExp2/s0", "2026-11-24_LossExp2/s1", "2026-11-25_AdamLrHalf/s0", "target 3.28"]
 
 
 @pytest.mark.parametrize("folders", [1, 4])

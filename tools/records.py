@@ -16,7 +16,8 @@ Only the step-line fields are needed, so logs of other speedrun forks work too. 
 loss is the val_loss of its last validation line, and its training time that line's train_time. A
 run diverged when that loss is above its step-0 one (without a step-0 line, above ln of its logged
 vocab_size padded as the lm_head is, where every run starts): stats notes it, submit refuses it.
-A PATH may also be a record folder (records/<track>/<YYYY-MM-DD>_<Name>/), meaning its *.txt logs.
+A PATH may also be a record folder (records/<track>/<YYYY-MM-DD>_<Name>/), meaning its *.txt logs,
+or a track folder (records/<track>/), meaning the logs of all its records, oldest first.
 
 scipy and matplotlib are imported only by the commands that need them, so list/diff/check start fast.
 """
@@ -249,14 +250,15 @@ def record_logs(folder: Path) -> list[Path]:
 
 
 def expand_paths(paths: list[str]) -> list[Path]:
-    """Log files as given; record folders as their *.txt logs, sorted."""
+    """Log files as given; record folders as their *.txt logs, sorted; a track folder as its records' logs,
+    oldest record first."""
     out = []
     for text in paths:
         path = Path(text)
         if path.is_dir():
-            logs = record_logs(path)
+            logs = record_logs(path) or [log for folder in reversed(record_folders(path)) for log in record_logs(folder)]
             if not logs:
-                raise RecordsError(f"{path}: a folder with no *.txt logs")
+                raise RecordsError(f"{path}: a folder with no *.txt logs and no record folders holding any")
             out.extend(logs)
         elif path.is_file():
             out.append(path)
