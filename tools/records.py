@@ -258,7 +258,7 @@ def expand_paths(paths: list[str]) -> list[Path]:
         if path.is_dir():
             logs = record_logs(path) or [log for folder in reversed(record_folders(path)) for log in record_logs(folder)]
             if not logs:
-                raise RecordsError(f"{path}: a folder with no *.txt logs and no record folders holding any")
+                raise RecordsError(f"{path}: a folder with no *.txt logs")
             out.extend(logs)
         elif path.is_file():
             out.append(path)
