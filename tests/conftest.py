@@ -1,11 +1,19 @@
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Inductor's cache does not key its CPU kernels on ATEN_CPU_CAPABILITY: a session under another capability
+# reused kernels built under this machine's and computed wrong results. Each capability gets its own cache.
+if "ATEN_CPU_CAPABILITY" in os.environ:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 @pytest.fixture(autouse=True)

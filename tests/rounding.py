@@ -4,7 +4,14 @@ Numerical Algorithms, 2nd ed., ch. 2-3). Each rounding of +, -, * or / lies with
 dtype's unit roundoff; a sum of n terms in ANY order or grouping (blocked, pairwise, with FMA) lies
 within gamma(n) * (the sum of their magnitudes). Bounds here are first order: each assert_within call
 checks that the terms dropped (products of two relative errors) are negligible beside the bound.
+
+For long sums gamma(n) takes Higham and Mary's probabilistic bound (SIAM J. Sci. Comput. 41(5), 2019,
+Theorem 2.4), which holds when rounding errors are independent with mean zero, as on the random data of
+these tests: lambda * sqrt(n) * u instead of n * u, failing with probability below n * 2 exp(-lambda^2 / 2),
+under 1e-15 for every sum here (n < 1e6) with LAMBDA = 10.
 """
+
+import math
 
 import torch
 
@@ -14,11 +21,23 @@ UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfl
 EXP_ULPS = 4
 
 
-def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
-    """The relative error bound of n roundings in a row: n u / (1 - n u)."""
+LAMBDA = 10
+
+
+def worst_case_gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """n u / (1 - n u): the relative error bound of n roundings in a row, also where they are not independent,
+    as in a sum of equal terms, whose partial sums round alike."""
     nu = n * UNIT_ROUNDOFF[dtype]
-    assert nu < 0.01, f"{n} roundings in {dtype}: the bound is meaningless"
-    return nu / (1 - nu)
+    return nu / (1 - nu) if nu < 1 else math.inf
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """worst_case_gamma(n), or for long runs of independent roundings the probabilistic
+    exp(LAMBDA sqrt(n) u + n u^2 / (1 - u)) - 1, whichever is smaller."""
+    u = UNIT_ROUNDOFF[dtype]
+    bound = min(worst_case_gamma(n, dtype), math.expm1(LAMBDA * math.sqrt(n) * u + n * u * u / (1 - u)))
+    assert bound < 0.01, f"{n} roundings in {dtype}: the bound is meaningless"
+    return bound
 
 
 def matmul_bound(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -84,3 +103,108 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
                         + gamma(2 * num_queries + 1, dtype) * ds.abs().transpose(-1, -2) @ q.abs())
     result.update(dq=dq, dk=dk, dv=dv, dq_bound=dq_bound, dk_bound=dk_bound, dv_bound=dv_bound)
     return result
+
+
+# Torch functions whose results are exact: they move, select or compare values, or cast them (a float64
+# trace stands for a float32 run, where the model's casts to float32 change nothing).
+EXACT_FUNCTIONS = {"__getitem__", "__get__", "size", "numel", "dim", "view", "view_as", "reshape", "flatten", "transpose",
+                   "permute", "unsqueeze", "squeeze", "expand", "contiguous", "chunk", "split", "unbind", "cat", "stack",
+                   "embedding", "relu", "neg", "__neg__", "clone", "detach", "masked_fill", "arange", "zeros", "ones",
+                   "float", "type_as", "to"}
+ONE_ROUNDING = {"add", "sub", "mul", "div", "square", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                "__truediv__"}
+CASTS = {"float", "type_as", "to"}
+
+
+class RoundingTrace(torch.overrides.TorchFunctionMode):
+    """Evaluates in float64 (casts to other float dtypes kept in float64) and records, for each torch function
+    that rounds, its result z and a bound on the error one evaluation of it in dtype makes from exact inputs."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.u, self.dtype, self.records = UNIT_ROUNDOFF[dtype], dtype, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in CASTS and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            target = kwargs.get("dtype") or next((a.dtype if isinstance(a, torch.Tensor) else a for a in args[1:]
+                                                  if isinstance(a, (torch.dtype, torch.Tensor))), torch.float32)
+            if name == "float" or target.is_floating_point:
+                return args[0]
+        out = func(*args, **kwargs)
+        if name in EXACT_FUNCTIONS or not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+            return out
+        local = self.local_bound(name, args, kwargs, out)
+        assert out.requires_grad, f"{name} rounds a result no gradient reaches: give its inputs requires_grad"
+        self.records.append((out, local))
+        return out
+
+    def local_bound(self, name, args, kwargs, out):
+        u, z = self.u, out.detach().abs()
+        if name in ONE_ROUNDING:
+            # a Python float that dtype cannot hold is rounded once more, before the op
+            inexact = [a for a in args if isinstance(a, float) and float(torch.tensor(a, dtype=self.dtype)) != a]
+            extra = sum(u * abs(a) for a in inexact) if name.endswith(("add", "sub", "add__", "sub__")) else len(inexact) * u * z
+            return u * z + extra
+        if name == "sigmoid":  # 1 / (1 + exp(-x)): exp's error is relative to exp(-x) <= 1 + exp(-x)
+            return (2 * EXP_ULPS + 2) * u * z
+        if name == "rms_norm":  # a mean of D squares, a square root and a division, a weight
+            return (gamma(args[0].size(-1) + 2, self.dtype) + (2 * EXP_ULPS + 2) * u) * z
+        if name in ("linear", "matmul", "__matmul__", "mm", "bmm"):
+            weight = args[1].transpose(-1, -2) if name == "linear" else args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return matmul_bound(args[0].detach(), weight.detach(), self.dtype) + (u * z if bias is not None else 0)
+        if name == "scaled_dot_product_attention":
+            q, k, v = (a.detach() for a in args[:3])
+            mask, scale = kwargs.get("attn_mask"), kwargs.get("scale") or q.size(-1) ** -0.5
+            assert mask is not None and mask.dtype == torch.bool and not kwargs.get("is_causal"), "a boolean attn_mask"
+            return attention_bounds(q, k, v, mask, scale, dtype=self.dtype)["out_bound"]
+        if name == "cross_entropy":
+            return self.cross_entropy_bound(args[0].detach(), args[1], kwargs.get("reduction", "mean"), out)
+        raise AssertionError(f"tests/rounding.py knows no rounding bound for torch function {name}")
+
+    def cross_entropy_bound(self, logits, targets, reduction, out):
+        """Each row: logsumexp (exp arguments off by at most 2u of the largest logit, exp, a sum of V terms,
+        log's ulp, the max added back) minus the target's logit; then a sum of the rows."""
+        u = self.u
+        logits = logits.reshape(-1, logits.size(-1))
+        lse = logits.logsumexp(-1)
+        rows = lse - logits.gather(1, targets.reshape(-1, 1)).squeeze(1)
+        per_row = (2 * u * logits.abs().amax(-1) + 2 * EXP_ULPS * u + gamma(logits.size(-1), self.dtype)
+                   + 3 * u * lse.abs() + u * rows.abs())
+        total = per_row.sum() + gamma(rows.numel(), self.dtype) * rows.abs().sum()
+        return total / rows.numel() + u * out.detach().abs() if reduction == "mean" else total
+
+
+def first_order_bound(compute, dtype: torch.dtype = torch.float32):
+    """compute() builds a scalar, or a 1-D tensor of a few, from float64 copies of inputs exact in dtype, some of
+    them requiring grad. Returns the exact value(s) and first-order bound(s) on the error of any evaluation in dtype
+    that rounds each op within RoundingTrace's local bounds: the sum over ops of |d value / d z| times the bound."""
+    with torch.enable_grad():
+        with RoundingTrace(dtype) as trace:
+            values = compute()
+        results = [z for z, _ in trace.records]
+        bounds = []
+        for value in values.reshape(-1):
+            grads = torch.autograd.grad(value, results, allow_unused=True, retain_graph=True)
+            bounds.append(sum(float((g.abs() * local).sum()) for g, (_, local) in zip(grads, trace.records)
+                              if g is not None))
+    if values.dim() == 0:
+        return float(values.detach()), bounds[0]
+    return values.detach(), torch.tensor(bounds, dtype=torch.float64)
+
+
+def rounding_bound(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise bound on |fl(a) - a| for a rounded to nearest in dtype, within its range: u |a| for normal
+    results, half the subnormal spacing below them; from torch.finfo, so float8 formats (e4m3: u = 2^-4, e5m2:
+    u = 2^-3) are covered too."""
+    info = torch.finfo(dtype)
+    return info.eps / 2 * a.double().abs() + info.smallest_normal * info.eps / 2
+
+
+def cos_sin_bound(angle: torch.Tensor, angle_error: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Elementwise bound on the error of cos or sin evaluated in dtype at an angle within a relative angle_error
+    of the exact angle: both functions are 1-Lipschitz, and the vector libraries' cos and sin, like their exp, are
+    documented within EXP_ULPS ulps, at most 2u each of a result at most 1."""
+    return angle_error * angle.double().abs() + 2 * EXP_ULPS * UNIT_ROUNDOFF[dtype]

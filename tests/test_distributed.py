@@ -27,6 +27,8 @@ from conftest import ROOT, TINY_RUN, TINY_VOCAB
 
 import train_gpt
 
+pytestmark = pytest.mark.numerics
+
 TRAIN_GPT = ROOT / "train_gpt.py"
 HELPERS = ROOT / "tests" / "dist_helpers.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

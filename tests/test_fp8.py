@@ -11,15 +11,37 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 import train_gpt
+from rounding import UNIT_ROUNDOFF, assert_within, gamma, rounding_bound
+
+pytestmark = pytest.mark.numerics
 
 D = 256  # lm_head input width
 V = 512  # lm_head output rows
 N = 128  # tokens
 
+# x and g are bf16: the op divides them by their scale in float32 (the scale rounded, then a division, or a
+# reciprocal and a product) and rounds the quotient to bf16 before rounding it to FP8
+BF16_DIVISION_ERROR = (1 + UNIT_ROUNDOFF[torch.bfloat16]) * (1 + gamma(3)) - 1
 
-def relative_error(actual, expected):
-    actual, expected = actual.detach().float(), expected.detach().float()
-    return float((actual - expected).norm() / expected.norm())
+
+def quantization_error(t, scale, fp8_dtype, division_error=0.0):
+    """Elementwise bound on |q * scale - t| for the op's FP8 copy q of t: t / scale, within a relative
+    division_error, rounded to fp8_dtype."""
+    t = t.detach().double().abs()
+    return rounding_bound((1 + division_error) * t / scale, fp8_dtype) * scale + division_error * t
+
+
+def fp8_product_and_bound(a, a_error, b, b_error, out_dtype):
+    """a @ b in float64, and an elementwise bound on the error of the FP8 op's result against it when the op's
+    operands lie within a_error and b_error (elementwise, or 0) of a and b."""
+    exact = a.detach().double() @ b.detach().double()
+    a, b = a.detach().double().abs(), b.detach().double().abs()
+    a_error, b_error = (torch.as_tensor(e, dtype=torch.float64).expand_as(t) for e, t in ((a_error, a), (b_error, b)))
+    # the operands' errors; then a float32 sum of k products, each off by five roundings at most before it: both
+    # scales to float32, each scale applied to its operand (or both to the sum), the product
+    error = a_error @ (b + b_error) + a @ b_error + gamma(a.size(-1) + 4) * (a + a_error) @ (b + b_error)
+    u = UNIT_ROUNDOFF[out_dtype]  # the result's rounding to out_dtype
+    return exact, u * exact.abs() + (1 + u) * error
 
 
 def lm_head_operands(seed, x_dtype=torch.bfloat16):
@@ -34,38 +56,60 @@ def lm_head_operands(seed, x_dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_forward_is_an_fp8_approximation_of_the_matmul(seed):
-    """Within FP8 tolerance of x @ w.T (measured 0.036), but not exact: it really quantized."""
+    """The result is the product of the op's e4m3 copies of x and w, to float32 accumulation and bf16 rounding,
+    and not the product of x and w: it really quantized. The copies are x / x_s and w / w_s rounded to e4m3,
+    so the result lies within the bound those roundings give of x @ w.T."""
     x, w, _ = lm_head_operands(seed)
-    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *train_gpt.lm_head_fp8_scales(D))
+    x_s, w_s, grad_s = train_gpt.lm_head_fp8_scales(D)
+    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, x_s, w_s, grad_s)
     assert out.dtype == torch.bfloat16 and out.shape == (N, V)
     assert x_f8.dtype == w_f8.dtype == torch.float8_e4m3fn
-    error = relative_error(out, x.float() @ w.T)
-    assert 1e-3 < error < 0.06
+    quantized, bound = fp8_product_and_bound(x_f8.double() * x_s, 0, w_f8.double().T * w_s, 0, torch.bfloat16)
+    assert_within(out, quantized, bound, "the e4m3 copies' product")
+    with pytest.raises(AssertionError, match="times the derived bound"):
+        assert_within((x.float() @ w.T).bfloat16(), quantized, bound, "the unquantized product")
+    x_error = quantization_error(x, x_s, torch.float8_e4m3fn, BF16_DIVISION_ERROR)
+    w_error = quantization_error(w, w_s, torch.float8_e4m3fn)  # w is float32 and w_s a power of two: w / w_s is exact
+    assert_within(out, *fp8_product_and_bound(x, x_error, w.T, w_error.T, torch.bfloat16), "x @ w.T")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_backward_gradients_reach_inputs_within_fp8_tolerance(seed):
-    """Autograd delivers grad_x ~ g @ w (bf16) and grad_w ~ g.T @ x (fp32); measured 0.057, 0.058."""
+    """Autograd delivers grad_x (bf16) and grad_w (fp32): the products of the gradient's e5m2 copy with the
+    forward's e4m3 copies of w and x, to float32 accumulation and the result's rounding; so they lie within
+    the bound the three roundings give of g @ w and g.T @ x."""
     x, w, g = lm_head_operands(seed)
+    x_s, w_s, grad_s = scales = train_gpt.lm_head_fp8_scales(D)
     x.requires_grad_()
     w.requires_grad_()
-    out = train_gpt.fp8_mm(x, w, *train_gpt.lm_head_fp8_scales(D))[0]
-    out.backward(g.bfloat16())
+    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales)
+    g = g.bfloat16()
+    out.backward(g)
     assert x.grad is not None and w.grad is not None
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
-    assert 1e-3 < relative_error(x.grad, g @ w.detach()) < 0.09
-    assert 1e-3 < relative_error(w.grad, g.T @ x.detach().float()) < 0.09
+    g_q = g.div(grad_s).to(torch.float8_e5m2).double() * grad_s  # the gradient's copy, made as the op makes it
+    x_q, w_q = x_f8.double() * x_s, w_f8.double() * w_s
+    assert_within(x.grad, *fp8_product_and_bound(g_q, 0, w_q, 0, torch.bfloat16), "grad_x from the FP8 copies")
+    assert_within(w.grad, *fp8_product_and_bound(g_q.T, 0, x_q, 0, torch.float32), "grad_w from the FP8 copies")
+    g_error = quantization_error(g, grad_s, torch.float8_e5m2, BF16_DIVISION_ERROR)
+    x_error = quantization_error(x, x_s, torch.float8_e4m3fn, BF16_DIVISION_ERROR)
+    w_error = quantization_error(w, w_s, torch.float8_e4m3fn)
+    assert_within(x.grad, *fp8_product_and_bound(g, g_error, w, w_error, torch.bfloat16), "grad_x against g @ w")
+    assert_within(w.grad, *fp8_product_and_bound(g.T, g_error.T, x, x_error, torch.float32), "grad_w against g.T @ x")
 
 
 def test_backward_op_directly():
-    """torch.ops.nanogpt.fp8_mm_backward on the forward's fp8 copies gives the same gradients."""
+    """torch.ops.nanogpt.fp8_mm_backward on the forward's fp8 copies gives autograd's gradients, to the bit:
+    autograd calls the same op on the same inputs."""
     x, w, g = lm_head_operands(2)
     scales = train_gpt.lm_head_fp8_scales(D)
-    _, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales)
+    x.requires_grad_()
+    w.requires_grad_()
+    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales)
+    out.backward(g.bfloat16())
     grad_x, grad_w = torch.ops.nanogpt.fp8_mm_backward(g.bfloat16(), x_f8, w_f8, *scales)
     assert grad_x.shape == x.shape and grad_w.shape == w.shape
-    assert relative_error(grad_x, g @ w) < 0.09
-    assert relative_error(grad_w, g.T @ x.float()) < 0.09
+    assert torch.equal(grad_x, x.grad) and torch.equal(grad_w, w.grad)
 
 
 # opcheck's test_schema and test_aot_dispatch_* call allclose/sum on every output, which torch
@@ -95,7 +139,8 @@ def test_opcheck_backward(x_dtype):
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_matches_eager(backward):
-    """The op traces through torch.compile and computes exactly what eager does."""
+    """The op traces through torch.compile and computes exactly what eager does: the compiled graphs call the
+    same custom ops, which run the same _scaled_mm on the same e4m3 values, so the results are equal."""
     x, w, g = lm_head_operands(4)
     scales = train_gpt.lm_head_fp8_scales(D)
 
@@ -112,7 +157,7 @@ def test_compiled_matches_eager(backward):
     with torch._inductor.config.patch(force_disable_caches=True):
         compiled_results = run(torch.compile(fn, dynamic=False, fullgraph=True))
     for eager, compiled in zip(run(fn), compiled_results):
-        torch.testing.assert_close(compiled.float(), eager.float(), atol=1e-6, rtol=0)
+        assert compiled.dtype == eager.dtype and torch.equal(compiled, eager)
 
 
 @pytest.mark.parametrize("d", [64, 256, 768])
@@ -155,7 +200,8 @@ def test_gradient_bound_holds_and_fits_e5m2(d):
 
 
 def test_casted_linear_uses_fp8_only_in_training():
-    """Given FP8 scales, the layer's matmul is FP8 in train mode; eval mode is exactly F.linear."""
+    """Given FP8 scales, the layer's matmul is FP8 in train mode (exactly fp8_mm, not eval's result); eval mode
+    is exactly F.linear."""
     torch.manual_seed(5)
     layer = train_gpt.CastedLinear(D, V, train_gpt.lm_head_fp8_scales(D))
     x = train_gpt.norm(torch.randn(2, 64, D)).bfloat16()
@@ -166,4 +212,4 @@ def test_casted_linear_uses_fp8_only_in_training():
     out = layer(x)
     assert out.shape == (2, 64, V)
     assert torch.equal(out, train_gpt.fp8_mm(x.flatten(0, 1), layer.weight, *layer.fp8_scales)[0].view(2, 64, V))
-    assert 1e-3 < relative_error(out, exact) < 0.06
+    assert not torch.equal(out, exact)

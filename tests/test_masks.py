@@ -16,6 +16,8 @@ from torch.nn.attention.flex_attention import flex_attention
 import train_gpt
 from rounding import assert_within, attention_bounds
 
+pytestmark = pytest.mark.numerics
+
 EOT, BLOCK, SCALE = 50256, 128, 0.12
 T = 768  # 6 blocks
 # no window, one key back, ends just inside, at and past a block edge, in the middle of a block, three

@@ -14,6 +14,10 @@ import pytest
 import torch
 
 import train_gpt
+from rounding import (CASTS, EXACT_FUNCTIONS, EXP_ULPS, LAMBDA, UNIT_ROUNDOFF, assert_within, cos_sin_bound,
+                      first_order_bound, gamma, worst_case_gamma)
+
+pytestmark = pytest.mark.numerics
 
 EOT = 50256
 VOCAB = 50257  # the real vocabulary, so EOT (50256) can start documents
@@ -126,14 +130,16 @@ def test_unet_wiring(depth):
             elif i < L // 2:
                 torch.testing.assert_close(x, outputs[i - 1], atol=0, rtol=0)
             else:
-                matches = [j for j in range(L // 2)
-                           if torch.allclose(x, outputs[i - 1] + skip[i - L // 2] * outputs[j], atol=1e-6, rtol=0)]
+                # GPT.trunk forms the decoder input with these very ops on these values: equal, to the bit
+                matches = [j for j in range(L // 2) if torch.equal(x, outputs[i - 1] + skip[i - L // 2] * outputs[j])]
                 assert matches == [L - 1 - i], (i, matches)
 
 
 def test_zero_init_gives_uniform_logits():
-    """Attention and MLP output projections and the lm_head start at zero, so every logit is
-    30 * sigmoid(0) = 15 and the loss is exactly ln(50304) (fp32), in both train (sum) and eval (mean)."""
+    """Attention and MLP output projections and the lm_head start at zero, so every logit is exactly
+    30 * sigmoid(0) = 15 (exp(0) is 1 in every library) and the loss is ln(50304), in both train (sum) and eval
+    (mean), within the derived bound of float32's roundings: every row computes the same values, so the sums of
+    equal terms (V in eval's softmax, T rows) take worst_case_gamma."""
     model = tiny_gpt()
     assert model.blocks[0].mlp is None  # the record's layer 0 has none
     for block in model.blocks[1:]:
@@ -145,11 +151,20 @@ def test_zero_init_gives_uniform_logits():
     assert model.blocks[1].mlp.c_fc.abs().max() > 0
     tokens, targets = documents()
     with torch.no_grad():
+        assert (model.softcapped_logits(model.trunk(tokens, 4)) == 15).all()
         train_loss = model(tokens, targets, 4)
         model.eval()
         eval_loss = model(tokens, targets, 4)
-    assert eval_loss.item() == pytest.approx(math.log(50304), abs=1e-4)
-    assert (train_loss / T).item() == pytest.approx(math.log(50304), abs=1e-4)
+    u, padded = UNIT_ROUNDOFF[torch.float32], 50304
+    log_vocab, rows = math.log(padded), worst_case_gamma(T - 1) * math.log(padded)
+    # train: cross_entropy sums V ones exactly; then log (within EXP_ULPS ulps, like exp) and two roundings of
+    # at most 15 + ln V per row
+    train_bound = 2 * EXP_ULPS * u * log_vocab + 2 * u * (15 + log_vocab) + rows
+    assert_within(train_loss / T, torch.tensor(log_vocab, dtype=torch.float64), train_bound, "train loss")
+    # eval: exp2 of 15 log2(e), rounded, in each of V equal terms; their sum; then as in train (one subtraction)
+    eval_bound = ((15 + 2 * EXP_ULPS) * u - math.log1p(-worst_case_gamma(padded - 1))
+                  + 2 * EXP_ULPS * u * (15 + log_vocab) + u * log_vocab + rows)
+    assert_within(eval_loss, torch.tensor(log_vocab, dtype=torch.float64), eval_bound, "eval loss")
 
 
 @pytest.mark.parametrize("vocab, padded", [(50257, 50304), (1000, 1024), (1024, 1024), (1025, 1152)])
@@ -162,6 +177,9 @@ def test_vocab_padded_to_multiple_of_128(vocab, padded):
 
 
 HEAD_DIM = 16
+# Rotary's float32 base frequencies: linspace puts each exponent within three roundings of at most 1 (its step,
+# a multiple, a subtraction from the end), which the power scales by ln 1024; then pow's ulps (EXP_ULPS, as exp)
+BASE_FREQUENCY_ERROR = math.log(1024) * gamma(3) + 2 * EXP_ULPS * UNIT_ROUNDOFF[torch.float32]
 
 
 def rotate(x, positions):
@@ -171,78 +189,114 @@ def rotate(x, positions):
     return rotary(seq)[0, positions]
 
 
+def base_frequencies_by_hand(head_dim):
+    """The rotary frequencies in float64 from the formula: (1/1024)^(k / (D/4 - 1)) for k < D/4, then D/4 zeros."""
+    quarter = head_dim // 4
+    return torch.tensor([(1 / 1024) ** (k / (quarter - 1)) for k in range(quarter)] + [0.0] * quarter,
+                        dtype=torch.float64)
+
+
+def rotation_by_hand(x, positions):
+    """x (H, D) rotated at the given positions in float64 by the documented frequencies, and an elementwise
+    bound on rotate()'s error: each float32 angle within BASE_FREQUENCY_ERROR and one rounding of the exact
+    one, its cos and sin within cos_sin_bound, then two float32 products and their sum."""
+    angle = torch.as_tensor(positions, dtype=torch.float64)[:, None, None] * base_frequencies_by_hand(x.size(-1))
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x.double().chunk(2, dim=-1)
+    tables = (x1.abs() + x2.abs()) * cos_sin_bound(angle, BASE_FREQUENCY_ERROR + UNIT_ROUNDOFF[torch.float32])
+    rotated = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1)
+    bound = torch.cat([tables + gamma(2) * ((x1 * cos).abs() + (x2 * sin).abs()),
+                       tables + gamma(2) * ((x2 * cos).abs() + (x1 * sin).abs())], -1)
+    return rotated, bound
+
+
 def test_rotary_rotates_a_quarter_of_the_pairs_by_the_documented_frequencies():
-    """Pair k = (dim k, dim k + D/2) turns by position * (1/1024)^(k / (D/4 - 1)) for k < D/4; the
-    pairs k >= D/4 (dims D/4..D/2 and 3D/4..D) have frequency zero and never change."""
+    """Pair k = (dim k, dim k + D/2) turns by position * (1/1024)^(k / (D/4 - 1)) for k < D/4, within the
+    derived bound of float32's roundings (which a bf16 rounding of the result exceeds); the pairs k >= D/4
+    (dims D/4..D/2 and 3D/4..D) have frequency zero and never change, and the others move by more than it."""
     torch.manual_seed(0)
     x = torch.randn(2, HEAD_DIM)
     positions = torch.arange(64)
     out = rotate(x, positions)
+    expected, bound = rotation_by_hand(x, positions)
+    assert_within(out, expected, bound, "rotated", BASE_FREQUENCY_ERROR)
+    with pytest.raises(AssertionError, match="times the derived bound"):
+        assert_within(out.bfloat16(), expected, bound, "rotated, in bf16", BASE_FREQUENCY_ERROR)
     quarter, half = HEAD_DIM // 4, HEAD_DIM // 2
-    freqs = torch.cat([(1 / 1024) ** (torch.arange(quarter) / (quarter - 1)), torch.zeros(quarter)])
-    angle = positions[:, None, None] * freqs  # (T, 1, D/2)
-    x1, x2 = x[:, :half], x[:, half:]
-    expected = torch.cat([x1 * angle.cos() + x2 * angle.sin(), x2 * angle.cos() - x1 * angle.sin()], -1)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     still = torch.cat([torch.arange(quarter, half), torch.arange(half + quarter, HEAD_DIM)])
     assert torch.equal(out[:, :, still], x[:, still].expand(64, -1, -1))
     moving = torch.cat([torch.arange(quarter), torch.arange(half, half + quarter)])
-    assert ((out[1:, :, moving] - x[:, moving]).abs() > 1e-6).float().mean() > 0.9
+    assert ((out[1:, :, moving] - x[:, moving]).abs() > bound[1:, :, moving]).float().mean() > 0.9
 
 
 def test_rotary_dot_product_depends_only_on_offset():
-    """<R_m q, R_n k> is a function of m - n: shifting both positions leaves it unchanged."""
+    """<R_m q, R_n k> = <R_(m-n) q, k>: each float32 dot product, its positions shifted or not, lies within
+    its derived bound of that float64 function of the offset; two offsets' dot products lie further apart
+    than their bounds."""
     torch.manual_seed(1)
     q, k = torch.randn(1, HEAD_DIM), torch.randn(1, HEAD_DIM)
-    dot = lambda m, n: (rotate(q, [m]) * rotate(k, [n])).sum().item()
+
+    def dot_and_bound(m, n):
+        (rotated_q, q_bound), (rotated_k, k_bound) = rotation_by_hand(q, [m]), rotation_by_hand(k, [n])
+        # the rotated vectors' errors, then D float32 products and their sum
+        bound = ((q_bound * rotated_k.abs() + rotated_q.abs() * k_bound).sum()
+                 + gamma(HEAD_DIM) * (rotated_q * rotated_k).abs().sum())
+        return (rotate(q, [m]) * rotate(k, [n])).sum(), bound
+
     for m, n in [(5, 2), (10, 10), (3, 40)]:
-        for shift in [1, 7, 20]:
-            assert dot(m + shift, n + shift) == pytest.approx(dot(m, n), abs=1e-4)
-    assert abs(dot(5, 2) - dot(9, 2)) > 1e-3  # but it does depend on the offset
+        by_offset = (rotation_by_hand(q, [m - n])[0] * k.double()).sum()
+        for shift in [0, 1, 7, 20]:
+            dot, bound = dot_and_bound(m + shift, n + shift)
+            assert_within(dot, by_offset, bound, f"dot product at {m + shift}, {n + shift}", BASE_FREQUENCY_ERROR)
+    (dot, bound), (other_dot, other_bound) = dot_and_bound(5, 2), dot_and_bound(9, 2)
+    assert abs(dot - other_dot) > bound + other_bound  # but it does depend on the offset
 
 
-def yarn_by_hand(head_dim, changes, unit=128):
-    """The rotary frequencies in float64 from the formulas: (1/1024)^(k / (D/4 - 1)) for k < D/4, then D/4
-    zeros; at each window change old -> new (in units of unit tokens), f turns unit old f / (2 pi) times
-    over the old window, w = clamp((turns - 1) / 31, 0, 1), and f becomes f (s + w (1 - s)) with s = old / new."""
-    quarter = head_dim // 4
-    freqs = [(1 / 1024) ** (k / (quarter - 1)) for k in range(quarter)] + [0.0] * quarter
-    for old, new in changes:
-        s = old / new
-        for i, f in enumerate(freqs):
-            w = min(max((unit * old * f / (2 * math.pi) - 1) / 31, 0.0), 1.0)
-            freqs[i] = f * (s + w * (1 - s))
-    return torch.tensor(freqs, dtype=torch.float64)
+def rescaled_by_hand(freqs, old, new, unit):
+    """freqs (float64 values of float32 ones) after a window change old -> new (in units of unit tokens) by the
+    formulas: f turns unit old f / (2 pi) times over the old window, w = clamp((turns - 1) / 31, 0, 1), and f
+    becomes f (s + w (1 - s)) with s = old / new; and an elementwise bound on Rotary.rescale's float32 error."""
+    turns = unit * old * freqs / (2 * math.pi)
+    s = old / new
+    w = ((turns - 1) / 31).clamp(0, 1)
+    factor = s + w * (1 - s)
+    # turns: a product, 2 pi to float32, a division (or a reciprocal and a product); then the subtraction and
+    # the division by 31 (or a reciprocal and a product); the clamp carries the error no further
+    w_error = (gamma(4) * turns + gamma(3) * (turns - 1).abs()) / 31
+    # s and 1 - s to float32, a product and a sum (within 3u of the factor); then f times the factor
+    return freqs * factor, (w_error * (1 - s) + gamma(4) * factor) * freqs
 
 
 RECORD_CHANGES = [(3, 7), (7, 11), (11, 13)]
 
 
 def test_yarn_rescale_follows_the_formula_and_rebuilds_the_tables():
-    """After the record's three window changes: the frequencies equal the float64 formula to float32
-    rounding (some slowed by 3/13 in all, the fastest unchanged, the rest between); cos and sin equal
-    those of position x frequency (the angle's float32 rounding, up to 1024 x 2^-24 rad, allowed); the
-    frequency-zero half stays zero, its cos 1 and its sin 0."""
+    """At each of the record's three window changes the frequencies follow the float64 formula applied to the
+    float32 ones before it, within the derived bound of float32's roundings (some slowed by 3/13 in all, the
+    fastest unchanged, the rest between); cos and sin equal those of position x frequency within cos_sin_bound
+    (the angle's float32 rounding, the functions' ulps); the frequency-zero half stays zero, its cos 1 and its
+    sin 0. Windows in units of 32 tokens turn each frequency a quarter as often over the old window."""
     rotary = train_gpt.Rotary(128, max_seq_len=1024)
-    base = rotary.freqs.clone()
-    torch.testing.assert_close(base.double(), yarn_by_hand(128, []), rtol=1e-6, atol=0)
-    for old, new in RECORD_CHANGES:
-        rotary.rescale(old, new)
-    expected = yarn_by_hand(128, RECORD_CHANGES)
-    assert rotary.freqs.dtype == torch.float32 and rotary.freqs.device.type == "cpu"
-    torch.testing.assert_close(rotary.freqs.double(), expected, rtol=2e-6, atol=0)
-    ratio = (rotary.freqs / base)[:32]
-    assert ratio[0] == 1 and ratio[-1] == pytest.approx(3 / 13, rel=1e-6) and ((ratio > 3 / 13) & (ratio < 1)).any()
-    assert not rotary.freqs[32:].any()
-    angles = torch.outer(torch.arange(1024, dtype=torch.float64), rotary.freqs.double())
-    torch.testing.assert_close(rotary.cos.double(), angles.cos(), rtol=0, atol=1e-4)
-    torch.testing.assert_close(rotary.sin.double(), angles.sin(), rtol=0, atol=1e-4)
-    assert (rotary.cos[:, 32:] == 1).all() and (rotary.sin[:, 32:] == 0).all()
-    # windows in units of 32 tokens turn each frequency a quarter as often over the old window
     small = train_gpt.Rotary(128, max_seq_len=16, window_unit=32)
+    base = rotary.freqs.clone()
+    by_hand = base_frequencies_by_hand(128)
+    assert_within(base, by_hand, BASE_FREQUENCY_ERROR * by_hand, "base frequencies")
     for old, new in RECORD_CHANGES:
-        small.rescale(old, new)
-    torch.testing.assert_close(small.freqs.double(), yarn_by_hand(128, RECORD_CHANGES, unit=32), rtol=2e-6, atol=0)
+        for rope in (rotary, small):
+            expected, bound = rescaled_by_hand(rope.freqs.double(), old, new, rope.window_unit)
+            rope.rescale(old, new)
+            assert_within(rope.freqs, expected, bound, f"unit {rope.window_unit}: {old} -> {new}", gamma(4))
+    assert rotary.freqs.dtype == torch.float32 and rotary.freqs.device.type == "cpu"
+    ratio = (rotary.freqs / base)[:32]
+    assert ratio[0] == 1 and ((ratio > 3 / 13) & (ratio < 1)).any()
+    # the slowest frequency never blends (it turns under once): three float32 ratios, three products, a division
+    assert_within(ratio[-1], torch.tensor(3 / 13, dtype=torch.float64), gamma(7) * 3 / 13, "slowest frequency's ratio")
+    assert not rotary.freqs[32:].any()
+    # each float32 angle is the exact product of two float32 values, rounded once
+    angles = torch.outer(torch.arange(1024, dtype=torch.float64), rotary.freqs.double())
+    assert_within(rotary.cos, angles.cos(), cos_sin_bound(angles, UNIT_ROUNDOFF[torch.float32]), "cos")
+    assert_within(rotary.sin, angles.sin(), cos_sin_bound(angles, UNIT_ROUNDOFF[torch.float32]), "sin")
+    assert (rotary.cos[:, 32:] == 1).all() and (rotary.sin[:, 32:] == 0).all()
     assert not torch.equal(small.freqs, rotary.freqs)
     # the tables moved: the unscaled ones are far from these
     assert (train_gpt.Rotary(128, max_seq_len=1024).cos - rotary.cos).abs().max() > 0.5
@@ -254,15 +308,17 @@ def test_rotary_without_rescale_keeps_the_base_frequencies():
     args = train_gpt.Hyperparameters(num_layers=2, model_dim=32, num_heads=2, head_dim=16, window_stages=(2, 2, 4),
                                      final_window=4, num_iterations=8)
     model = train_gpt.build_model(args, T)
-    torch.testing.assert_close(model.rotary.freqs.double(), yarn_by_hand(16, []), rtol=1e-6, atol=0)
+    by_hand = base_frequencies_by_hand(16)
+    assert_within(model.rotary.freqs, by_hand, BASE_FREQUENCY_ERROR * by_hand, "base frequencies")
     freqs, cos = model.rotary.freqs.clone(), model.rotary.cos.clone()
     window = train_gpt.window_at(0, args)
     for step in range(6):  # the first two stages, both of window 2
         window = train_gpt.move_window(model, window, step, args)
         assert window == 2
     assert torch.equal(model.rotary.freqs, freqs) and torch.equal(model.rotary.cos, cos)
+    expected, bound = rescaled_by_hand(freqs.double(), 2, 4, model.rotary.window_unit)
     assert train_gpt.move_window(model, window, 6, args) == 4
-    torch.testing.assert_close(model.rotary.freqs.double(), yarn_by_hand(16, [(2, 4)]), rtol=2e-6, atol=0)
+    assert_within(model.rotary.freqs, expected, bound, "frequencies after 2 -> 4", gamma(4))
 
 
 def expected_nonzero_scalar_grads(L):
@@ -286,18 +342,69 @@ def test_forward_backward_fp32_reaches_every_parameter():
     assert torch.equal(model.scalars.grad != 0, expected_nonzero_scalar_grads(4))
 
 
+class TorchCalls(torch.overrides.TorchFunctionMode):
+    """Every torch function called in the block, in order: its name, its result where that is a tensor, and
+    whether a 0-dim float argument of another dtype scales it (an op on bf16 rounds such a factor first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        tensor = result if isinstance(result, torch.Tensor) else None
+        factors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and a.is_floating_point()]
+        rounded_factor = tensor is not None and any(a.dtype != tensor.dtype for a in factors)
+        self.calls.append((getattr(func, "__name__", str(func)), tensor, rounded_factor))
+        return result
+
+
+def rounding_spread(forward, float64_forward, float64_loss, rounded_leaves):
+    """The sum over the independent roundings k of a recorded forward of (u a_k)^2, u its dtype's: a_k sums
+    dL/dz z (float64 autograd on float64_forward's twin calls) over the values rounding k rounds. Each element
+    of a new float result is one (its kernel taken to round once; moves of values, and casts other than to bf16,
+    round nothing), a rounded 0-dim factor is one for the whole result, and each entry of rounded_leaves (float64
+    twins of tensors stored rounded) is one."""
+    roundings, twins = [], []
+    for (name, result, rounded_factor), (twin_name, twin, _) in zip(forward.calls, float64_forward.calls, strict=True):
+        assert name == twin_name
+        if result is None or not result.is_floating_point() or result._base is not None:
+            continue
+        if name in EXACT_FUNCTIONS and not (name in CASTS and result.dtype == torch.bfloat16):
+            continue
+        roundings.append((UNIT_ROUNDOFF[result.dtype], rounded_factor))
+        twins.append(twin)
+    roundings += [(UNIT_ROUNDOFF[torch.bfloat16], False)] * len(rounded_leaves)
+    spread = 0.0
+    for (u, rounded_factor), z, dz in zip(roundings, twins + rounded_leaves,
+                                          torch.autograd.grad(float64_loss, twins + rounded_leaves)):
+        a = dz * z.detach()
+        spread += u**2 * (float(a.square().sum()) + (float(a.sum()) ** 2 if rounded_factor else 0.0))
+    return spread
+
+
 def test_bf16_embeddings_path():
-    """Embeddings stored in bf16 (as training does) make the whole forward bf16; it runs forward and
-    backward and its loss is within bf16 precision of the fp32 loss (measured 0.01% apart)."""
+    """Embeddings stored in bf16 (as training does) make the whole forward bf16: weights are cast to it, lambdas
+    rounded to it, results rounded to it up to the float32 logits. It runs forward and backward, and its loss lies
+    within a probabilistic first-order bound of the fp32 loss: rounding k moves the loss by d_k a_k
+    (rounding_spread), |d_k| <= u independent with mean zero, so by Hoeffding's inequality |sum d_k a_k| exceeds
+    LAMBDA sqrt(sum (u a_k)^2) with probability below 2 exp(-LAMBDA^2 / 2). The fp32 forward rounds the same
+    results at float32's u and nothing else: its sum is at most this one's, hence sqrt(2) for the difference."""
     model = randomize_(tiny_gpt())
     tokens, targets = documents()
     with torch.no_grad():
-        fp32_loss = model(tokens, targets, 2).item()
+        fp32_loss = model(tokens, targets, 2)
+    float64_model = copy.deepcopy(model).double()
     for table in [model.embed, *model.value_embeds]:
         table.to(torch.bfloat16)
-    loss = model(tokens, targets, 2)
+    with TorchCalls() as bf16_forward:
+        loss = model(tokens, targets, 2)
     loss.backward()
-    assert loss.item() == pytest.approx(fp32_loss, rel=5e-3)
+    with TorchCalls() as float64_forward:
+        float64_loss = float64_model(tokens, targets, 2)
+    tables = [table.weight for table in [float64_model.embed, *float64_model.value_embeds]]
+    spread = rounding_spread(bf16_forward, float64_forward, float64_loss, tables)
+    assert_within(loss.detach(), fp32_loss, LAMBDA * (2 * spread) ** 0.5, "bf16 loss")
     assert model.embed.weight.grad.dtype == torch.bfloat16
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -310,36 +417,46 @@ def long_document():
     return tokens, targets
 
 
+def exact_loss_and_bound(model, tokens, targets, window):
+    """The model's summed training loss in float64 and the first-order bound on the error of any float32
+    evaluation (tests/rounding.py): SDPA and FlexAttention kernels, eager or compiled, round within it."""
+    exact = copy.deepcopy(model).double()
+    return first_order_bound(lambda: exact(tokens, targets, window))
+
+
 def test_compiled_flex_model_matches_sdpa():
     """The flex backend under torch.compile (BlockMasks built inside the graph, the window an int as in
-    training) gives the SDPA backend's training loss for the same weights (fp32), on a document longer
-    than both windows: a window of 2 blocks cuts the long layers' keys (256) and the short ones' (128)."""
+    training) gives the SDPA backend's training loss for the same weights (fp32), both within the derived
+    bound of the float64 loss, on a document longer than both windows: a window of 2 blocks cuts the long
+    layers' keys (256) and the short ones' (128)."""
     sdpa = randomize_(tiny_gpt(backend="sdpa"))
     flex = tiny_gpt(backend="flex")
     flex.load_state_dict(sdpa.state_dict())
     compiled = torch.compile(flex, dynamic=False)
     tokens, targets = long_document()
+    exact, bound = exact_loss_and_bound(sdpa, tokens, targets, 2)
     with torch.no_grad():
-        loss = (sdpa(tokens, targets, 2) / T).item()
-        assert (compiled(tokens, targets, 2) / T).item() == pytest.approx(loss, abs=1e-4)
-        # the same scale without the window's cut, five times the tolerance away: a wrong window would show
-        logits = sdpa.softcapped_logits(sdpa.trunk(tokens, 2, train_gpt.attention_masks(tokens, 4, "sdpa")))
-        assert abs(torch.nn.functional.cross_entropy(logits[0], targets).item() - loss) > 5e-4
+        assert abs(sdpa(tokens, targets, 2).item() - exact) <= bound
+        assert abs(compiled(tokens, targets, 2).item() - exact) <= bound
+        # the same scale with the masks of a 1-block window, well outside the bound: a wrong window would show
+        logits = sdpa.softcapped_logits(sdpa.trunk(tokens, 2, train_gpt.attention_masks(tokens, 1, "sdpa")))
+        assert abs(torch.nn.functional.cross_entropy(logits[0], targets, reduction="sum").item() - exact) > 4 * bound
 
 
 def test_uncompiled_flex_model_compiles_the_attention_kernel_alone(monkeypatch):
     """With compile=false the flex backend still attends through FlexAttention's compiled kernel (eager
-    flex_attention would materialize every score, and warns that it does): the same loss as SDPA with
-    the dense masks, for a window that cuts both masks, and no such warning."""
+    flex_attention would materialize every score, and warns that it does): the float64 loss within the
+    derived bound, as with SDPA and the dense masks, for a window that cuts both masks, and no such warning."""
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_WARNINGS_SHOWN", set())  # it warns once per process
     sdpa = randomize_(tiny_gpt(backend="sdpa"))
     flex = tiny_gpt(backend="flex")
     flex.load_state_dict(sdpa.state_dict())
     tokens, targets = long_document()
+    exact, bound = exact_loss_and_bound(sdpa, tokens, targets, 2)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert (flex(tokens, targets, 2) / T).item() == pytest.approx((sdpa(tokens, targets, 2) / T).item(), abs=1e-4)
+        assert abs(flex(tokens, targets, 2).item() - exact) <= bound
     assert not [w for w in caught if "without torch.compile" in str(w.message)]
 
 
@@ -371,67 +488,106 @@ def test_gradients_become_ready_in_reversed_parameter_order():
     assert bucket_order == sorted(bucket_order)
 
 
-def whole_logits_loss_and_grads(model, x, targets, dtype):
-    """The unchunked loss in dtype and its gradients for x and the lm_head, times 2.5 (an incoming gradient)."""
-    model = copy.deepcopy(model).to(dtype)
-    x = x.detach().to(dtype).requires_grad_()
-    logits = model.softcapped_logits(x)
-    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum")
-    return loss, torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
+def softcapped_loss_bounds(xn, w, targets):
+    """The float64 summed cross-entropy of softcapped logits xn @ w^T and its gradients for xn and w, with
+    first-order bounds on the error of any float32 evaluation from these exact inputs: the chunked one
+    (exp2 of s * LOGIT_SOFTCAP * log2(e), no max) and the whole-logits one (exp of logits - max) alike."""
+    u, cap, scale = UNIT_ROUNDOFF[torch.float32], train_gpt.LOGIT_SOFTCAP, 1 / train_gpt.LOGIT_SOFTCAP_SPREAD
+    x, w = xn.double(), w.double()
+    (T, D), V = x.shape, w.size(0)
+    z = x @ w.T
+    s = torch.sigmoid(z * scale)
+    # z's dot product, then the scaling (a division, or a rounded 1/spread and a product), then sigmoid
+    s_err = s * (1 - s) * scale * (gamma(D) * x.abs() @ w.abs().T + 2 * u * z.abs()) + (2 * EXP_ULPS + 2) * u * s
+    # each exp term's relative error: its argument's (s's, and two roundings of a logit up to cap), then exp's
+    term_err = (cap * s_err + 2 * u * cap + 2 * EXP_ULPS * u).amax(-1, keepdim=True)
+    logits = cap * s
+    lse = logits.logsumexp(-1, keepdim=True)
+    p = (logits - lse).exp()
+    one_hot = torch.nn.functional.one_hot(targets, V).double()
+    target_s, target_s_err = (s * one_hot).sum(-1, keepdim=True), (s_err * one_hot).sum(-1, keepdim=True)
+    rows = lse - cap * target_s
+    # a row: the terms' errors, the sum of V terms, log's ulp, the target logit's error and rounding, the subtraction
+    row_err = term_err + gamma(V) + 2 * u * lse.abs() + cap * target_s_err + 2 * u * cap * target_s + u * rows.abs()
+    loss_err = row_err.sum() + gamma(2 * T) * rows.abs().sum()  # chunk sums, then a running total
+    rho = 2 * term_err + gamma(V) + u  # relative error of each softmax probability
+    q = s * (1 - s)
+    g = (p - one_hot) * cap * scale * q
+    # the probability's error, s(1 - s)'s (one fused or two roundings), then four products or subtractions
+    g_err = cap * scale * (rho * p * q + (p - one_hot).abs() * ((1 - 2 * s).abs() * s_err + 2 * u * q)) + 4 * u * g.abs()
+    grad_x, grad_w = g @ w, g.T @ x
+    grad_x_err = g_err @ w.abs() + gamma(V) * g.abs() @ w.abs()
+    grad_w_err = g_err.T @ x.abs() + gamma(2 * T) * g.abs().T @ x.abs()  # chunks' products, then a running sum
+    return dict(loss=rows.sum(), loss_bound=loss_err, grad_x=grad_x, grad_x_bound=grad_x_err, grad_w=grad_w,
+                grad_w_bound=grad_w_err, relative=float(rho.max()))
 
 
 @pytest.mark.parametrize("chunk, compiled", [(7, False), (100, False), (512, False), (4096, False), (100, True)])
 def test_chunked_loss_equals_the_whole_logits_loss(chunk, compiled):
-    """ChunkedSoftcapLoss against softcapped_logits + F.cross_entropy on the whole sequence, for chunks
-    that divide T, that do not (7, 100), and that exceed it, eager and compiled (inductor fuses the
-    pass over the logits and writes the target entries apart): the same loss, and gradients for x and
-    the lm_head within float32 rounding of the float64 truth, as the unchunked float32 ones are: a
-    gradient sums 50304 vocabulary terms that nearly cancel, and a BLAS kernel for few rows (chunk 7)
-    sums them less carefully, ~2e-5 of the gradient's scale (1e-6 for the whole matmul)."""
+    """ChunkedSoftcapLoss against softcap + F.cross_entropy on the whole sequence, for chunks that divide T,
+    that do not (7, 100), and that exceed it, eager and compiled (inductor fuses the pass over the logits and
+    writes the target entries apart): loss and gradients for xn and the lm_head within the derived float32
+    bound of the float64 truth, as the whole-logits float32 ones are; a gradient 1% off is outside it."""
     model = randomize_(tiny_gpt())
     torch.manual_seed(2)
-    x = torch.randn(1, T, 32, requires_grad=True)
+    xn = train_gpt.norm(torch.randn(T, 32)).requires_grad_()
+    w = model.lm_head.weight
     _, targets = documents(seed=3)
-    reference, ref_grads = whole_logits_loss_and_grads(model, x, targets, torch.float32)
-    truth, true_grads = whole_logits_loss_and_grads(model, x, targets, torch.float64)
+    exact = softcapped_loss_bounds(xn.detach(), w.detach(), targets)
     chunked_loss = train_gpt.ChunkedSoftcapLoss.apply
     if compiled:
         chunked_loss = torch.compile(chunked_loss, fullgraph=True)
-    loss = chunked_loss(train_gpt.norm(x[0]), model.lm_head.weight, targets, chunk)
-    grads = torch.autograd.grad(2.5 * loss, [x, model.lm_head.weight])
-    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
-    for got, want, true in zip(grads, ref_grads, true_grads):
-        scale = true.abs().max().item()
-        chunked_error, whole_error = ((g.double() - true).abs().max().item() / scale for g in (got, want))
-        assert whole_error < 4e-5 and chunked_error < 4e-5, (chunked_error, whole_error)
+    loss = chunked_loss(xn, w, targets, chunk)
+    whole = torch.nn.functional.cross_entropy(train_gpt.softcap(torch.nn.functional.linear(xn, w)), targets,
+                                              reduction="sum")
+    incoming = 2.5  # a gradient arriving from outside, exact in float32: one more rounding of each product
+    for name, result in (("chunked", loss), ("whole logits", whole)):
+        assert_within(result, exact["loss"], exact["loss_bound"], f"{name} loss", exact["relative"])
+        grads = torch.autograd.grad(incoming * result, [xn, w])
+        for grad, key in zip(grads, ("grad_x", "grad_w")):
+            truth = incoming * exact[key]
+            bound = incoming * exact[f"{key}_bound"] + UNIT_ROUNDOFF[torch.float32] * truth.abs()
+            assert_within(grad, truth, bound, f"{name} {key}", exact["relative"])
+            with pytest.raises(AssertionError, match="times the derived bound"):
+                assert_within(grad * 1.01, truth, bound, "", exact["relative"])
 
 
-def test_model_with_chunked_loss_trains_the_same():
-    """GPT.forward in training with loss_chunk set: the same loss and parameter gradients as without."""
+def test_model_takes_its_training_loss_from_the_chunked_loss_when_asked():
+    """GPT.forward in training: with loss_chunk set, the summed loss and every parameter gradient are those of
+    ChunkedSoftcapLoss on the normed trunk output, to the bit; without, those of F.cross_entropy on the
+    softcapped logits. The two losses agree within float32 rounding (the test above)."""
     inputs, targets = documents()
-    results = []
     for loss_chunk in (0, 96):
         model = randomize_(tiny_gpt(loss_chunk=loss_chunk)).train()
+        by_hand = copy.deepcopy(model)
         loss = model(inputs, targets, 4)
         loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (loss0, grads0), (loss1, grads1) = results
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
-    assert grads0.keys() == grads1.keys()
-    for name in grads0:
-        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-4, atol=1e-5 * grads0[name].abs().max().item(),
-                                   msg=lambda m: f"{name}: {m}")
+        x = by_hand.trunk(inputs, 4)
+        if loss_chunk:
+            expected = train_gpt.ChunkedSoftcapLoss.apply(train_gpt.norm(x[0]), by_hand.lm_head.weight, targets, loss_chunk)
+        else:
+            logits = by_hand.softcapped_logits(x)
+            expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum")
+        expected.backward()
+        assert torch.equal(loss, expected)
+        for (name, p), twin in zip(model.named_parameters(), by_hand.parameters()):
+            assert torch.equal(p.grad, twin.grad), name
 
 
 def test_chunked_loss_without_grad_is_the_loss_alone():
+    """Without gradients the chunked loss and the model's softcapped logits' cross-entropy both give the float64
+    loss of the same normed inputs within the derived float32 bound."""
     model = randomize_(tiny_gpt())
     x = torch.randn(T, 32)
     _, targets = documents(seed=4)
     with torch.no_grad():
-        loss = train_gpt.ChunkedSoftcapLoss.apply(train_gpt.norm(x), model.lm_head.weight, targets, 128)
+        xn = train_gpt.norm(x)
+        loss = train_gpt.ChunkedSoftcapLoss.apply(xn, model.lm_head.weight, targets, 128)
         logits = model.softcapped_logits(x)
         reference = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+    exact = softcapped_loss_bounds(xn, model.lm_head.weight.detach(), targets)
+    for name, result in (("chunked", loss), ("whole logits", reference)):
+        assert_within(result, exact["loss"], exact["loss_bound"], name, exact["relative"])
 
 
 # The alternate layout: every other layer from the first, half as many tables (rounded up), used in turn.
@@ -467,28 +623,30 @@ def gated_and_plain_attention(width: int, heads: int, gate: str):
         plain.qkvo_w[3].copy_(gated.qkvo_w[3])
     x, ve = torch.randn(1, T, width), torch.randn(1, T, width)
     mask = train_gpt.attention_mask(documents()[0], 300, "sdpa")
-    rest = (torch.tensor([0.7, 0.4]), mask, train_gpt.Rotary(width // heads, T), 0.12)
+    # the value embedding's lambda a power of two: (lambda gate) ve and lambda (gate ve) then round alike
+    rest = (torch.tensor([0.7, 0.5]), mask, train_gpt.Rotary(width // heads, T), 0.12)
     return gated, plain, x, ve, rest
 
 
 def test_value_embedding_gate_scales_each_head_by_2_sigmoid():
     """A gated attention layer equals an ungated one (same weights) whose value embedding was multiplied,
-    per position and head, by 2 sigmoid(w . x[:12]) computed here; at the zero init the gate is 1."""
+    per position and head, by 2 sigmoid(w . x[:12]) computed here, to the bit: with the gate's own ops, and
+    a power-of-two lambda that scales exactly; at the zero init the gate is 1."""
     gated, plain, x, ve, rest = gated_and_plain_attention(32, 2, "ve_gate")
     with torch.no_grad():
         torch.testing.assert_close(gated(x, ve, *rest), plain(x, ve, *rest), atol=0, rtol=0)
         gated.ve_gate.weight.normal_()
-        w = gated.ve_gate.weight  # (heads, 12)
-        gate = 2 / (1 + torch.exp(-(x[0, :, :12] @ w.T)))  # (T, heads)
-        expected = plain(x, (ve.view(1, T, 2, 16) * gate[None, :, :, None]).view(1, T, 32), *rest)
-        torch.testing.assert_close(gated(x, ve, *rest), expected, atol=1e-5, rtol=1e-5)
+        gate = 2 * torch.sigmoid(torch.nn.functional.linear(x[..., :12], gated.ve_gate.weight))  # (1, T, heads)
+        expected = plain(x, (ve.view(1, T, 2, 16) * gate[..., None]).view(1, T, 32), *rest)
+        assert torch.equal(gated(x, ve, *rest), expected)
+        assert not torch.equal(expected, plain(x, ve, *rest))  # the gate matters: a layer ignoring it fails
 
 
 def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projection():
     """Width 128, 2 heads: the gate reads x[:12] (12 at any width from the 2025-09-10 record on). A gated
     layer equals the ungated one (same weights) whose per-head attention output, read through an
-    identity output projection, is multiplied by sigmoid(w . x[:12]) computed here, then projected; at
-    the zero init every gate is exactly 1/2."""
+    identity output projection (exact: every sum adds zeros to one term), is multiplied by sigmoid(w . x[:12])
+    computed here, then projected, to the bit: with the layer's own ops; at the zero init every gate is exactly 1/2."""
     gated, plain, x, ve, rest = gated_and_plain_attention(128, 2, "attn_gate")
     assert gated.attn_gate.weight.shape == (2, 12) and not gated.attn_gate.weight.any()
     with torch.no_grad():
@@ -497,9 +655,9 @@ def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projectio
         w_o = plain.qkvo_w[3].clone()
         plain.qkvo_w[3].copy_(torch.eye(128))
         heads = plain(x, ve, *rest).view(1, T, 2, 64)  # the attention output per head, unprojected
-        gate = 1 / (1 + torch.exp(-(x[0, :, :12] @ gated.attn_gate.weight.T)))  # (T, heads)
-        expected = (heads * gate[None, :, :, None]).view(1, T, 128) @ w_o.T
-        torch.testing.assert_close(gated(x, ve, *rest), expected, atol=1e-5, rtol=1e-5)
+        gate = torch.sigmoid(torch.nn.functional.linear(x[..., :12], gated.attn_gate.weight))  # (1, T, heads)
+        expected = torch.nn.functional.linear((heads * gate[..., None]).view(1, T, 128), w_o)
+        assert torch.equal(gated(x, ve, *rest), expected)
 
 
 def test_attention_gates_train_with_muon_and_draw_before_being_zeroed():
