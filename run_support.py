@@ -357,10 +357,11 @@ class Diverged(Exception):
 
 def divergence(val_losses: dict, output_width: int) -> Diverged | None:
     """Diverged when the last validation loss is above the step-0 one or, without a step-0 validation (val_loss_every=0,
-    a resumed run), above ln(output_width): the zero-initialized lm_head's loss, where every run starts. Else None."""
+    a resumed run), above ln(output_width): the zero-initialized lm_head's loss, where every run starts. Else None.
+    Compared as the log prints them (4 decimals), so that tools/records.py, reading the log, judges alike."""
     final = val_losses[max(val_losses)]
     start = val_losses[0] if 0 in val_losses else math.log(output_width)
-    if final <= start:
+    if round(final, 4) <= round(start, 4):
         return None
     named = f"step 0's {start:.4f}" if 0 in val_losses else f"ln({output_width}) = {start:.4f}, where every run starts"
     return Diverged(f"the run diverged: final val loss {final:.4f} is above {named}; "

@@ -1653,9 +1653,12 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         main()
-    except (ConfigError, DataError, FloatingPointError, support.WriteError) as e:
+    except (ConfigError, DataError, support.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except FloatingPointError as e:  # a non-finite loss: the run diverged
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(support.Diverged.exit_code)
     except (support.Preempted, support.Diverged) as e:  # every rank exits so; rank 0 says why
         if int(os.environ.get("RANK", 0)) == 0:
             print(e, file=sys.stderr)

@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# FlexAttention's compiled CPU kernel needs AVX2 and a vectorized ATen (ATEN_CPU_CAPABILITY other than default):
+# torch's own test of the platform decides, as in tools/gpu_check.py.
+needs_flex_on_cpu = pytest.mark.skipif(not check_cpu_supported(), reason="FlexAttention's compiled CPU kernel needs "
+                                       "AVX2 and ATEN_CPU_CAPABILITY other than default")
 
 # Inductor's cache does not key its CPU kernels on ATEN_CPU_CAPABILITY: a session under another capability
 # reused kernels built under this machine's and computed wrong results. Each capability gets its own cache.

@@ -16,9 +16,10 @@ import math
 import torch
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-# Vectorized exp and exp2 (SLEEF's, ATen's own and inductor's) are accurate to a few units in the last
-# place; one ulp is at most 2u of the result, and 4 ulp covers every library's documented accuracy.
+# exp, exp2, log, cos, sin and rsqrt of SLEEF, MKL and ATen within 4 ulp, each ulp at most 2u of the result;
+# CPU flash attention and inductor's flex template use ATen's faster exp_u20, documented within 20 ulp.
 EXP_ULPS = 4
+ATTENTION_EXP_ULPS = 20
 
 
 LAMBDA = 10
@@ -69,14 +70,15 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     scores = scale * q @ k.transpose(-1, -2)
     magnitude = scale * q.abs() @ k.abs().transpose(-1, -2)
     p = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    # A weight exp(s - m) / sum: each score within gamma(D + 2) of its magnitude (the dot product, the
-    # scale and a log2(e) factor); the max a kernel subtracts lies among the scores, so the subtraction
-    # adds at most 2u of the largest score; then exp's own error.
+    # Each score within gamma(D + 2) of its magnitude (dot product, scale, a log2(e) factor); the max a kernel
+    # subtracts lies among the scores (2u of the largest); exp's error; a backward's p recomputed from logsumexp.
     score_error = gamma(q.size(-1) + 2, dtype) * magnitude + 2 * u * scores.abs()
-    theta = score_error.masked_fill(~allowed, 0).amax(-1, keepdim=True) + 2 * EXP_ULPS * u
+    largest = score_error.masked_fill(~allowed, 0).amax(-1, keepdim=True)
+    logsumexp_error = 2 * EXP_ULPS * u * n.log() + 2 * u * scores.masked_fill(~allowed, 0).abs().amax(-1, keepdim=True)
+    theta = largest + 2 * ATTENTION_EXP_ULPS * u + logsumexp_error
     # The sums over n keys pass each term through at most n additions and n rescalings (online softmax).
     sums = torch.tensor([gamma(int(c), dtype) for c in 2 * n.flatten()], dtype=torch.float64).view(n.shape)
-    rho = 2 * theta + sums + u  # relative error of a normalized weight: numerator, denominator, division
+    rho = 2 * theta + sums + 2 * u  # a normalized weight: numerator, denominator, a reciprocal and a product
     out = p @ v
     weighted = p @ v.abs()
     result = dict(out=out, out_bound=(rho + sums) * weighted, relative=float(rho.max()))
@@ -116,6 +118,64 @@ ONE_ROUNDING = {"add", "sub", "mul", "div", "square", "__add__", "__radd__", "__
 CASTS = {"float", "type_as", "to"}
 
 
+def rounds(name: str, result) -> bool:
+    """Whether a torch function's result is rounded: a new float tensor, not a move, selection or comparison
+    of values, nor a cast to a dtype that holds them (a float64 trace's casts, a float32 run's to float32)."""
+    if not (isinstance(result, torch.Tensor) and result.is_floating_point()) or result._base is not None:
+        return False
+    return name not in EXACT_FUNCTIONS or (name in CASTS and result.dtype not in (torch.float32, torch.float64))
+
+
+def norm_eps(name: str, args, kwargs, dtype: torch.dtype) -> dict:
+    """kwargs with rms_norm's default eps made explicit as dtype's: a float64 trace of a run in dtype norms
+    with the run's eps, not float64's."""
+    if name == "rms_norm" and kwargs.get("eps") is None and len(args) < 4:
+        return {**kwargs, "eps": torch.finfo(dtype).eps}
+    return kwargs
+
+
+class TorchCalls(torch.overrides.TorchFunctionMode):
+    """Every torch function called in the block, in order: its name, its result where that is a tensor, and
+    whether a 0-dim float argument of another dtype scales it (an op on bf16 rounds such a factor first).
+    norm_dtype: rms_norm's default eps taken as that dtype's (for a float64 twin of a run in it)."""
+
+    def __init__(self, norm_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.calls, self.norm_dtype = [], norm_dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        kwargs = norm_eps(name, args, kwargs or {}, self.norm_dtype) if self.norm_dtype else kwargs or {}
+        result = func(*args, **kwargs)
+        tensor = result if isinstance(result, torch.Tensor) else None
+        factors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and a.is_floating_point()]
+        rounded_factor = tensor is not None and any(a.dtype != tensor.dtype for a in factors)
+        self.calls.append((name, tensor, rounded_factor))
+        return result
+
+
+def probabilistic_bound(run: TorchCalls, twin: TorchCalls, twin_value: torch.Tensor, rounded_leaves=()) -> float:
+    """A probabilistic first-order bound on how far the value a recorded run computed lies from its float64 twin's
+    (the same calls on float64 copies): rounding k moves it by d_k a_k, a_k the sum of dvalue/dz z over the values
+    it rounds, |d_k| <= u of its dtype, independent with mean zero; by Hoeffding's inequality |sum d_k a_k| exceeds
+    LAMBDA sqrt(sum (u a_k)^2) with probability below 2 exp(-LAMBDA^2 / 2). Each element of a rounded result is a
+    rounding (each kernel taken to round its result once), a rounded 0-dim factor one for the whole result, and
+    each entry of rounded_leaves (float64 twins of tensors the run stores in bf16) one."""
+    roundings, twins = [], []
+    for (name, result, rounded_factor), (twin_name, twin_result, _) in zip(run.calls, twin.calls, strict=True):
+        assert name == twin_name
+        if rounds(name, result):
+            roundings.append((UNIT_ROUNDOFF[result.dtype], rounded_factor))
+            twins.append(twin_result)
+    roundings += [(UNIT_ROUNDOFF[torch.bfloat16], False)] * len(rounded_leaves)
+    spread = 0.0
+    for (u, rounded_factor), z, dz in zip(roundings, twins + list(rounded_leaves),
+                                          torch.autograd.grad(twin_value, twins + list(rounded_leaves))):
+        a = dz * z.detach()
+        spread += u**2 * (float(a.square().sum()) + (float(a.sum()) ** 2 if rounded_factor else 0.0))
+    return LAMBDA * spread ** 0.5
+
+
 class RoundingTrace(torch.overrides.TorchFunctionMode):
     """Evaluates in float64 (casts to other float dtypes kept in float64) and records, for each torch function
     that rounds, its result z and a bound on the error one evaluation of it in dtype makes from exact inputs."""
@@ -130,10 +190,11 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
         if name in CASTS and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
             target = kwargs.get("dtype") or next((a.dtype if isinstance(a, torch.Tensor) else a for a in args[1:]
                                                   if isinstance(a, (torch.dtype, torch.Tensor))), torch.float32)
-            if name == "float" or target.is_floating_point:
+            if target.is_floating_point:
+                assert target in (torch.float64, torch.float32, self.dtype), f"a cast to {target} rounds"
                 return args[0]
-        out = func(*args, **kwargs)
-        if name in EXACT_FUNCTIONS or not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+        out = func(*args, **norm_eps(name, args, kwargs, self.dtype))
+        if not rounds(name, out):
             return out
         local = self.local_bound(name, args, kwargs, out)
         assert out.requires_grad, f"{name} rounds a result no gradient reaches: give its inputs requires_grad"
@@ -143,10 +204,11 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
     def local_bound(self, name, args, kwargs, out):
         u, z = self.u, out.detach().abs()
         if name in ONE_ROUNDING:
-            # a Python float that dtype cannot hold is rounded once more, before the op
+            # a Python float that dtype cannot hold is rounded once more, before the op; inductor divides by a
+            # constant as a product with its rounded reciprocal
             inexact = [a for a in args if isinstance(a, float) and float(torch.tensor(a, dtype=self.dtype)) != a]
             extra = sum(u * abs(a) for a in inexact) if name.endswith(("add", "sub", "add__", "sub__")) else len(inexact) * u * z
-            return u * z + extra
+            return (2 if name in ("div", "__truediv__") else 1) * u * z + extra
         if name == "sigmoid":  # 1 / (1 + exp(-x)): exp's error is relative to exp(-x) <= 1 + exp(-x)
             return (2 * EXP_ULPS + 2) * u * z
         if name == "rms_norm":  # a mean of D squares, a square root and a division, a weight
@@ -166,13 +228,14 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
 
     def cross_entropy_bound(self, logits, targets, reduction, out):
         """Each row: logsumexp (exp arguments off by at most 2u of the largest logit, exp, a sum of V terms,
-        log's ulp, the max added back) minus the target's logit; then a sum of the rows."""
+        log's ulps, the max added back) minus the target's logit; then a sum of the rows."""
         u = self.u
         logits = logits.reshape(-1, logits.size(-1))
+        largest = logits.amax(-1)
         lse = logits.logsumexp(-1)
         rows = lse - logits.gather(1, targets.reshape(-1, 1)).squeeze(1)
         per_row = (2 * u * logits.abs().amax(-1) + 2 * EXP_ULPS * u + gamma(logits.size(-1), self.dtype)
-                   + 3 * u * lse.abs() + u * rows.abs())
+                   + 2 * EXP_ULPS * u * (lse - largest) + u * lse.abs() + u * rows.abs())
         total = per_row.sum() + gamma(rows.numel(), self.dtype) * rows.abs().sum()
         return total / rows.numel() + u * out.detach().abs() if reduction == "mean" else total
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import train_gpt
+from conftest import needs_flex_on_cpu
 from rounding import assert_within, attention_bounds
 
 pytestmark = pytest.mark.numerics
@@ -168,6 +169,7 @@ def compiled_flex():
     return attend
 
 
+@needs_flex_on_cpu
 @pytest.mark.parametrize("kind", ["many", "long_document"])
 def test_compiled_flex_sdpa_and_reference_attention_agree(compiled_flex, kind):
     """Compiled FlexAttention and SDPA with the dense mask both give float64 attention over the loop's

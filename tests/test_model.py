@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import train_gpt
-from rounding import (CASTS, EXACT_FUNCTIONS, EXP_ULPS, LAMBDA, UNIT_ROUNDOFF, assert_within, cos_sin_bound,
-                      first_order_bound, gamma, worst_case_gamma)
+from conftest import needs_flex_on_cpu
+from rounding import (EXP_ULPS, UNIT_ROUNDOFF, TorchCalls, assert_within, cos_sin_bound, first_order_bound, gamma,
+                      probabilistic_bound, worst_case_gamma)
 
 pytestmark = pytest.mark.numerics
 
@@ -135,6 +136,15 @@ def test_unet_wiring(depth):
                 assert matches == [L - 1 - i], (i, matches)
 
 
+def uniform_eval_loss_bound(padded: int, positions: int) -> float:
+    """How far eval's chunked mean loss over positions lies from ln(padded) when every logit is 15 (a zero lm_head):
+    exp2 of 15 log2(e), rounded, in each of the padded equal terms; their sum, whose equal partial sums round alike;
+    log's ulps; the row's subtraction; then the sum of equal row losses and its division."""
+    u, log_vocab = UNIT_ROUNDOFF[torch.float32], math.log(padded)
+    return ((15 + 2 * EXP_ULPS) * u - math.log1p(-worst_case_gamma(padded - 1)) + 2 * EXP_ULPS * u * (15 + log_vocab)
+            + u * log_vocab + worst_case_gamma(positions - 1) * log_vocab)
+
+
 def test_zero_init_gives_uniform_logits():
     """Attention and MLP output projections and the lm_head start at zero, so every logit is exactly
     30 * sigmoid(0) = 15 (exp(0) is 1 in every library) and the loss is ln(50304), in both train (sum) and eval
@@ -161,10 +171,8 @@ def test_zero_init_gives_uniform_logits():
     # at most 15 + ln V per row
     train_bound = 2 * EXP_ULPS * u * log_vocab + 2 * u * (15 + log_vocab) + rows
     assert_within(train_loss / T, torch.tensor(log_vocab, dtype=torch.float64), train_bound, "train loss")
-    # eval: exp2 of 15 log2(e), rounded, in each of V equal terms; their sum; then as in train (one subtraction)
-    eval_bound = ((15 + 2 * EXP_ULPS) * u - math.log1p(-worst_case_gamma(padded - 1))
-                  + 2 * EXP_ULPS * u * (15 + log_vocab) + u * log_vocab + rows)
-    assert_within(eval_loss, torch.tensor(log_vocab, dtype=torch.float64), eval_bound, "eval loss")
+    assert_within(eval_loss, torch.tensor(log_vocab, dtype=torch.float64), uniform_eval_loss_bound(padded, T),
+                  "eval loss")
 
 
 @pytest.mark.parametrize("vocab, padded", [(50257, 50304), (1000, 1024), (1024, 1024), (1025, 1152)])
@@ -342,69 +350,27 @@ def test_forward_backward_fp32_reaches_every_parameter():
     assert torch.equal(model.scalars.grad != 0, expected_nonzero_scalar_grads(4))
 
 
-class TorchCalls(torch.overrides.TorchFunctionMode):
-    """Every torch function called in the block, in order: its name, its result where that is a tensor, and
-    whether a 0-dim float argument of another dtype scales it (an op on bf16 rounds such a factor first)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        tensor = result if isinstance(result, torch.Tensor) else None
-        factors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and a.is_floating_point()]
-        rounded_factor = tensor is not None and any(a.dtype != tensor.dtype for a in factors)
-        self.calls.append((getattr(func, "__name__", str(func)), tensor, rounded_factor))
-        return result
-
-
-def rounding_spread(forward, float64_forward, float64_loss, rounded_leaves):
-    """The sum over the independent roundings k of a recorded forward of (u a_k)^2, u its dtype's: a_k sums
-    dL/dz z (float64 autograd on float64_forward's twin calls) over the values rounding k rounds. Each element
-    of a new float result is one (its kernel taken to round once; moves of values, and casts other than to bf16,
-    round nothing), a rounded 0-dim factor is one for the whole result, and each entry of rounded_leaves (float64
-    twins of tensors stored rounded) is one."""
-    roundings, twins = [], []
-    for (name, result, rounded_factor), (twin_name, twin, _) in zip(forward.calls, float64_forward.calls, strict=True):
-        assert name == twin_name
-        if result is None or not result.is_floating_point() or result._base is not None:
-            continue
-        if name in EXACT_FUNCTIONS and not (name in CASTS and result.dtype == torch.bfloat16):
-            continue
-        roundings.append((UNIT_ROUNDOFF[result.dtype], rounded_factor))
-        twins.append(twin)
-    roundings += [(UNIT_ROUNDOFF[torch.bfloat16], False)] * len(rounded_leaves)
-    spread = 0.0
-    for (u, rounded_factor), z, dz in zip(roundings, twins + rounded_leaves,
-                                          torch.autograd.grad(float64_loss, twins + rounded_leaves)):
-        a = dz * z.detach()
-        spread += u**2 * (float(a.square().sum()) + (float(a.sum()) ** 2 if rounded_factor else 0.0))
-    return spread
-
-
 def test_bf16_embeddings_path():
     """Embeddings stored in bf16 (as training does) make the whole forward bf16: weights are cast to it, lambdas
-    rounded to it, results rounded to it up to the float32 logits. It runs forward and backward, and its loss lies
-    within a probabilistic first-order bound of the fp32 loss: rounding k moves the loss by d_k a_k
-    (rounding_spread), |d_k| <= u independent with mean zero, so by Hoeffding's inequality |sum d_k a_k| exceeds
-    LAMBDA sqrt(sum (u a_k)^2) with probability below 2 exp(-LAMBDA^2 / 2). The fp32 forward rounds the same
-    results at float32's u and nothing else: its sum is at most this one's, hence sqrt(2) for the difference."""
+    rounded to it, results rounded to it up to the float32 logits, rms_norm's eps bf16's. It runs forward and
+    backward, and its loss lies within the probabilistic first-order bound (tests/rounding.py) of a float64 twin
+    with bf16's eps; that twin, with float32's eps, gives the fp32 loss within first_order_bound."""
     model = randomize_(tiny_gpt())
     tokens, targets = documents()
-    with torch.no_grad():
-        fp32_loss = model(tokens, targets, 2)
     float64_model = copy.deepcopy(model).double()
+    fp32_exact, fp32_bound = first_order_bound(lambda: float64_model(tokens, targets, 2))
+    with torch.no_grad():
+        assert abs(model(tokens, targets, 2).item() - fp32_exact) <= fp32_bound
     for table in [model.embed, *model.value_embeds]:
         table.to(torch.bfloat16)
     with TorchCalls() as bf16_forward:
         loss = model(tokens, targets, 2)
     loss.backward()
-    with TorchCalls() as float64_forward:
+    with TorchCalls(norm_dtype=torch.bfloat16) as float64_forward:
         float64_loss = float64_model(tokens, targets, 2)
     tables = [table.weight for table in [float64_model.embed, *float64_model.value_embeds]]
-    spread = rounding_spread(bf16_forward, float64_forward, float64_loss, tables)
-    assert_within(loss.detach(), fp32_loss, LAMBDA * (2 * spread) ** 0.5, "bf16 loss")
+    bound = probabilistic_bound(bf16_forward, float64_forward, float64_loss, tables)
+    assert_within(loss.detach(), float64_loss.detach(), bound, "bf16 loss")
     assert model.embed.weight.grad.dtype == torch.bfloat16
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -424,6 +390,7 @@ def exact_loss_and_bound(model, tokens, targets, window):
     return first_order_bound(lambda: exact(tokens, targets, window))
 
 
+@needs_flex_on_cpu
 def test_compiled_flex_model_matches_sdpa():
     """The flex backend under torch.compile (BlockMasks built inside the graph, the window an int as in
     training) gives the SDPA backend's training loss for the same weights (fp32), both within the derived
@@ -443,6 +410,7 @@ def test_compiled_flex_model_matches_sdpa():
         assert abs(torch.nn.functional.cross_entropy(logits[0], targets, reduction="sum").item() - exact) > 4 * bound
 
 
+@needs_flex_on_cpu
 def test_uncompiled_flex_model_compiles_the_attention_kernel_alone(monkeypatch):
     """With compile=false the flex backend still attends through FlexAttention's compiled kernel (eager
     flex_attention would materialize every score, and warns that it does): the float64 loss within the

@@ -432,11 +432,12 @@ def test_plot_zooms_from_the_lowest_loss_to_just_above_the_target(tmp_path):
     for zoom in (zoom_time, zoom_step):
         assert zoom.get_ylim() == _padded(bottom, top)
     zoom_top = zoom_step.get_ylim()[1]
-    # from where the first line enters the zoom from above to the last step, or time (ms to s)
+    # from where the first line enters the zoom from above to the last step (widened to whole steps), or time
     for zoom, x, per_unit in ((zoom_step, 0, 1), (zoom_time, 2, 1000)):
         ends = [points[-1][x] / per_unit for points in CURVES.values()]
         entries = [_crossing((p[-2][x], p[-2][1]), (p[-1][x], p[-1][1]), zoom_top) / per_unit for p in CURVES.values()]
-        assert zoom.get_xlim() == _padded(min(entries), max(ends))
+        left, right = _padded(min(entries), max(ends)).expected
+        assert zoom.get_xlim() == ((math.floor(left), math.ceil(right)) if zoom is zoom_step else (left, right))
     for ax in (zoom_time, zoom_step, full_time, full_step):
         target_lines = [line for line in ax.get_lines() if line.get_label() == "target 3.28"]
         assert len(target_lines) == 1 and list(target_lines[0].get_ydata()) == [3.28, 3.28]
@@ -507,6 +508,17 @@ def test_plot_names_runs_by_record_folder_and_run_name(tmp_path):
     fig, _ = _figure(paths, 3.28)
     assert [text.get_text() for text in fig.legends[0].get_texts()] == [
         "2026-11-24_LossExp2/B-s0", "2026-11-25_AdamLrHalf/cpu_seed1", "2025-09-10_Yarn/0ecdb695", "target 3.28"]
+
+
+def test_plot_zoom_leaves_out_a_diverged_runs_end_and_names_a_resumed_runs_logs_apart(tmp_path):
+    paths = [_curve_log(tmp_path / "logs" / "run.txt", [(0, 10.0, 0), (50, 3.4, 500)], 100, run_id="run"),
+             _curve_log(tmp_path / "logs" / "run.resume1.txt", [(100, 3.27, 1000)], 100, run_id="run"),
+             _curve_log(tmp_path / "logs" / "wild.txt", [(0, 10.0, 0), (100, 11.0, 1000)], 100)]
+    assert records.divergence(records.parse_log(paths[2])) == "final val loss 11.0000 is above step 0's 10.0000"
+    fig, (zoom_time, zoom_step, _, _) = _figure(paths, 3.28)
+    assert zoom_time.get_ylim() == zoom_step.get_ylim() == _padded(3.27, 3.28)
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == [
+        "logs/run", "logs/run.resume1", "logs/wild", "target 3.28"]
 
 
 def test_a_track_folder_means_every_records_logs_oldest_first(tmp_path):

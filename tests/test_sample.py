@@ -15,7 +15,7 @@ from test_model import randomize_
 
 import shards
 import train_gpt
-from rounding import assert_within, first_order_bound
+from rounding import UNIT_ROUNDOFF, assert_within, first_order_bound
 
 sys.path.insert(0, str(ROOT / "tools"))
 import sample  # noqa: E402
@@ -115,12 +115,14 @@ def test_loaded_model_gives_the_runs_final_validation_loss(trained):
         with torch.no_grad():
             return sum(model(seq[:-1].int(), seq[1:], window).item() for seq in val) / len(val)
 
-    # the training forward over the whole logits, whose ops bound the chunked evaluation's too
+    # the training forward's summed loss over the whole logits, whose ops bound the chunked evaluation's too;
+    # eval divides it by the positions (one more rounding), validation averages the sequences in float64
     exact_model = copy.deepcopy(model).double().train()
     exact_model.loss_chunk = 0
-    per_sequence = [first_order_bound(lambda seq=seq: exact_model(seq[:-1].int(), seq[1:], window)) for seq in val]
-    positions = len(val) * (val.size(1) - 1)
-    exact, bound = (sum(terms) / positions for terms in zip(*per_sequence))
+    positions, u = val.size(1) - 1, UNIT_ROUNDOFF[torch.float32]
+    sums = [first_order_bound(lambda seq=seq: exact_model(seq[:-1].int(), seq[1:], window)) for seq in val]
+    exact = sum(value for value, _ in sums) / positions / len(val)
+    bound = sum(bound / positions + u * value / positions for value, bound in sums) / len(val)
     assert abs(result["val_losses"][6] - exact) <= bound
     assert abs(loss() - exact) <= bound
     model.rotary = train_gpt.Rotary(64, model.max_seq_len)

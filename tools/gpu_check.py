@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported  # noqa: E402
 
 import run_support  # noqa: E402
 import train_gpt  # noqa: E402
@@ -134,6 +135,8 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
     and for two windows that end inside a block."""
     if backward and device.type != "cuda":
         raise Skip(f"FlexAttention has no backward on {device.type} in torch {torch.__version__}")
+    if device.type == "cpu" and not check_cpu_supported():
+        raise Skip("FlexAttention's compiled CPU kernel needs AVX2 and ATEN_CPU_CAPABILITY other than default")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = record_like_tokens(num_tokens, device)
     record = train_gpt.Hyperparameters()

@@ -242,7 +242,7 @@ def divergence(log: Log) -> str | None:
         width = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
         start = math.log(width)
         named = f"ln({width}) = {start:.4f}, where every run starts"
-    return f"final val loss {final.loss:.4f} is above {named}" if final.loss > start else None
+    return f"final val loss {final.loss:.4f} is above {named}" if final.loss > round(start, 4) else None
 
 
 def record_logs(folder: Path) -> list[Path]:
@@ -268,15 +268,8 @@ def expand_paths(paths: list[str]) -> list[Path]:
 
 
 def first_log(text: str) -> Path:
-    path = Path(text)
-    if path.is_dir():
-        logs = record_logs(path)
-        if not logs:
-            raise RecordsError(f"{path}: a folder with no *.txt logs")
-        return logs[0]
-    if not path.is_file():
-        raise RecordsError(f"{path}: no such log file or record folder")
-    return path
+    """The log a PATH names: a log file, or a folder's first log as expand_paths lists them."""
+    return expand_paths([text])[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -633,11 +626,16 @@ LINESTYLES = ("-", "--", ":", "-.")
 UUID_RE = re.compile(r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}", re.IGNORECASE)
 
 
-def plot_label(log: Log) -> str:
-    """'<record folder>/<run name>': the log's folder, then its run_id (else file name), a uuid (the
-    name upstream's logs and train_gpt.py's default run_id have) cut to its first 8 hex digits."""
-    name = log.label
-    return f"{log.path.parent.name}/{name[:8] if UUID_RE.fullmatch(name) else name}"
+def plot_labels(logs: list[Log]) -> list[str]:
+    """'<record folder>/<run name>' for each log: its run_id (else file name), a uuid (the name upstream's logs
+    and train_gpt.py's default run_id have) cut to its first 8 hex digits; where that repeats (a resumed run's
+    logs share their run_id), the file name instead."""
+    def short(name: str) -> str:
+        return name[:8] if UUID_RE.fullmatch(name) else name
+
+    names = [f"{log.path.parent.name}/{short(log.label)}" for log in logs]
+    return [f"{log.path.parent.name}/{short(log.path.stem)}" if names.count(name) > 1 else name
+            for log, name in zip(logs, names)]
 
 
 def run_styles(logs: list[Log]) -> list[dict]:
@@ -663,10 +661,10 @@ def padded(low: float, high: float) -> tuple[float, float]:
 def zoom_window(logs: list[Log], target: float | None) -> tuple[float, float] | None:
     """The val losses where records are decided, padded: from the lowest loss shown (or the target,
     if lower) up to the target or the highest final loss, whichever is higher. Final losses are
-    those of the complete runs, or of all runs when none is complete (a run still going or
-    stopped early would stretch the zoom to its current loss). Without a target the final losses
+    those of the complete runs that did not diverge, or of all runs when there are none (a run
+    still going, stopped early or diverged would stretch the zoom to its current loss). Without a target the final losses
     alone bound it above. None when no loss is finite."""
-    ends = [log.final.loss for log in ([log for log in logs if log.complete] or logs)]
+    ends = [log.final.loss for log in ([log for log in logs if log.complete and not divergence(log)] or logs)]
     levels = [x for x in [*ends, target] if x is not None and math.isfinite(x)]
     lows = [v.loss for log in logs for v in log.vals if math.isfinite(v.loss)] + levels
     if not lows:
@@ -713,12 +711,12 @@ def plot_figure(logs: list[Log], target: float | None, dpi: int):
     """The figure cmd_plot saves, for logs with validation lines: val loss against training time
     (left) and step (right), above zoomed to zoom_window with the x range x_window gives, below over
     the whole runs; the target a dashed black line; under it all one legend naming each run by
-    plot_label. Points without a train_time are left out of the time panels."""
+    plot_labels. Points without a train_time are left out of the time panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    names = [plot_label(log) for log in logs]
+    names = plot_labels(logs)
     entries = names + ([f"target {target:g}"] if target is not None else [])
     fig = Figure(dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)  # a figure made without pyplot needs a canvas to draw on
@@ -745,8 +743,8 @@ def plot_figure(logs: list[Log], target: float | None, dpi: int):
         if window:
             zoom.set_ylim(window)
         xs = x_window(curves, *window) if window else None
-        if xs:
-            zoom.set_xlim(xs)
+        if xs:  # steps are whole: an interval holding none would get fractional ticks
+            zoom.set_xlim((math.floor(xs[0]), math.ceil(xs[1])) if zoom is zoom_step else xs)
         zoom.ticklabel_format(axis="y", useOffset=False)
     for ax in (zoom_step, full_step):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -1019,22 +1017,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("diff", parents=[color_opt], help="diff the source and hyperparameters two runs logged")
-    p.add_argument("a", metavar="A", help="log file or record folder (its first log)")
-    p.add_argument("b", metavar="B", help="log file or record folder (its first log)")
+    p.add_argument("a", metavar="A", help="log file, or record or track folder (its first log)")
+    p.add_argument("b", metavar="B", help="log file, or record or track folder (its first log)")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("stats", parents=[target_opt], help="final val losses, mean, std, t-test p-value")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="log files or record folders")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files, record folders or track folders")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("plot", parents=[target_opt], help="val loss against training time and step, to a PNG",
-                       description="Val loss against training time and against step. Above, zoomed where records "
-                                   "are decided: from the lowest loss shown (or the target, if lower) up to the "
-                                   "target or the highest final loss of the complete runs, whichever is higher, "
-                                   f"widened by {ZOOM_MARGIN:.0%} of that span each way; with no target known, the "
-                                   "final losses alone bound it above. Below, the whole runs. The legend names each "
-                                   "run <record folder>/<run_id or file name>, a uuid cut to 8 hex digits.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="log files or record folders")
+                       description="Val loss against training time and against step: above, zoomed from the "
+                                   "lowest loss shown to just above the target (records/README.md says how); below, "
+                                   "the whole runs; each run named <record folder>/<run_id>.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files, record folders or track folders")
     p.add_argument("-o", "--output", required=True, metavar="FILE.png")
     p.add_argument("--force", action="store_true", help="overwrite FILE.png if it exists")
     p.add_argument("--dpi", type=int, default=100, help=f"pixels per inch; the figure is {PLOT_WIDTH:g} in wide")
