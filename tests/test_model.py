@@ -3,6 +3,7 @@ backends, and the gradient-ready order that GradientBuckets relies on."""
 
 import copy
 import dataclasses
+import functools
 import math
 import sys
 import warnings
@@ -490,34 +491,44 @@ def softcapped_loss_bounds(xn, w, targets):
                 grad_w_bound=grad_w_err, relative=float(rho.max()))
 
 
-@pytest.mark.parametrize("chunk, compiled", [(7, False), (100, False), (512, False), (4096, False), (100, True)])
-def test_chunked_loss_equals_the_whole_logits_loss(chunk, compiled):
-    """ChunkedSoftcapLoss against softcap + F.cross_entropy on the whole sequence, for chunks that divide T,
-    that do not (7, 100), and that exceed it, eager and compiled (inductor fuses the pass over the logits and
-    writes the target entries apart): loss and gradients for xn and the lm_head within the derived float32
-    bound of the float64 truth, as the whole-logits float32 ones are; a gradient 1% off is outside it."""
+@functools.cache
+def softcapped_loss_case():
+    """Normed inputs, an lm_head weight spanning the FP8 range and targets over several documents, with
+    softcapped_loss_bounds' float64 values and bounds for them."""
     model = randomize_(tiny_gpt())
     torch.manual_seed(2)
-    xn = train_gpt.norm(torch.randn(T, 32)).requires_grad_()
-    w = model.lm_head.weight
+    xn, w = train_gpt.norm(torch.randn(T, 32)), model.lm_head.weight.detach()
     _, targets = documents(seed=3)
-    exact = softcapped_loss_bounds(xn.detach(), w.detach(), targets)
-    chunked_loss = train_gpt.ChunkedSoftcapLoss.apply
+    return xn, w, targets, softcapped_loss_bounds(xn, w, targets)
+
+
+def whole_logits_loss(xn, w, targets, chunk):
+    """softcap + F.cross_entropy over all the logits at once (chunk unused), the reference path."""
+    return torch.nn.functional.cross_entropy(train_gpt.softcap(torch.nn.functional.linear(xn, w)), targets,
+                                             reduction="sum")
+
+
+@pytest.mark.parametrize("chunk, compiled", [(7, False), (100, False), (512, False), (4096, False), (100, True),
+                                             (None, False)])
+def test_chunked_loss_equals_the_whole_logits_loss(chunk, compiled):
+    """ChunkedSoftcapLoss for chunks that divide T, that do not (7, 100), and that exceed it, eager and compiled
+    (inductor fuses the pass over the logits and writes the target entries apart), and the whole-logits path
+    (chunk None): loss and gradients for xn and the lm_head within the derived float32 bound of the float64
+    truth; a gradient 1% off is outside it."""
+    xn, w, targets, exact = softcapped_loss_case()
+    xn, w = xn.clone().requires_grad_(), w.clone().requires_grad_()
+    loss_fn = whole_logits_loss if chunk is None else train_gpt.ChunkedSoftcapLoss.apply
     if compiled:
-        chunked_loss = torch.compile(chunked_loss, fullgraph=True)
-    loss = chunked_loss(xn, w, targets, chunk)
-    whole = torch.nn.functional.cross_entropy(train_gpt.softcap(torch.nn.functional.linear(xn, w)), targets,
-                                              reduction="sum")
+        loss_fn = torch.compile(loss_fn, fullgraph=True)
+    loss = loss_fn(xn, w, targets, chunk)
+    assert_within(loss, exact["loss"], exact["loss_bound"], "loss", exact["relative"])
     incoming = 2.5  # a gradient arriving from outside, exact in float32: one more rounding of each product
-    for name, result in (("chunked", loss), ("whole logits", whole)):
-        assert_within(result, exact["loss"], exact["loss_bound"], f"{name} loss", exact["relative"])
-        grads = torch.autograd.grad(incoming * result, [xn, w])
-        for grad, key in zip(grads, ("grad_x", "grad_w")):
-            truth = incoming * exact[key]
-            bound = incoming * exact[f"{key}_bound"] + UNIT_ROUNDOFF[torch.float32] * truth.abs()
-            assert_within(grad, truth, bound, f"{name} {key}", exact["relative"])
-            with pytest.raises(AssertionError, match="times the derived bound"):
-                assert_within(grad * 1.01, truth, bound, "", exact["relative"])
+    for grad, key in zip(torch.autograd.grad(incoming * loss, [xn, w]), ("grad_x", "grad_w")):
+        truth = incoming * exact[key]
+        bound = incoming * exact[f"{key}_bound"] + UNIT_ROUNDOFF[torch.float32] * truth.abs()
+        assert_within(grad, truth, bound, key, exact["relative"])
+        with pytest.raises(AssertionError, match="times the derived bound"):
+            assert_within(grad * 1.01, truth, bound, "", exact["relative"])
 
 
 def test_model_takes_its_training_loss_from_the_chunked_loss_when_asked():
@@ -543,19 +554,12 @@ def test_model_takes_its_training_loss_from_the_chunked_loss_when_asked():
 
 
 def test_chunked_loss_without_grad_is_the_loss_alone():
-    """Without gradients the chunked loss and the model's softcapped logits' cross-entropy both give the float64
-    loss of the same normed inputs within the derived float32 bound."""
-    model = randomize_(tiny_gpt())
-    x = torch.randn(T, 32)
-    _, targets = documents(seed=4)
+    """Without gradients (its pass that skips making them) the chunked loss gives the float64 loss within the
+    derived float32 bound."""
+    xn, w, targets, exact = softcapped_loss_case()
     with torch.no_grad():
-        xn = train_gpt.norm(x)
-        loss = train_gpt.ChunkedSoftcapLoss.apply(xn, model.lm_head.weight, targets, 128)
-        logits = model.softcapped_logits(x)
-        reference = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    exact = softcapped_loss_bounds(xn, model.lm_head.weight.detach(), targets)
-    for name, result in (("chunked", loss), ("whole logits", reference)):
-        assert_within(result, exact["loss"], exact["loss_bound"], name, exact["relative"])
+        loss = train_gpt.ChunkedSoftcapLoss.apply(xn, w, targets, 128)
+    assert_within(loss, exact["loss"], exact["loss_bound"], "chunked", exact["relative"])
 
 
 # The alternate layout: every other layer from the first, half as many tables (rounded up), used in turn.
