@@ -1,12 +1,20 @@
-import getpass
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
-from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+# Inductor's on-disk cache does not key its CPU kernels on ATEN_CPU_CAPABILITY: sessions under another capability
+# reused kernels built under this machine's and computed wrong results or crashed. Such a session gets a cache of
+# its own, new and removed at exit.
+if "ATEN_CPU_CAPABILITY" in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"torchinductor_{os.environ['ATEN_CPU_CAPABILITY']}_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -14,12 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # torch's own test of the platform decides, as in tools/gpu_check.py.
 needs_flex_on_cpu = pytest.mark.skipif(not check_cpu_supported(), reason="FlexAttention's compiled CPU kernel needs "
                                        "AVX2 and ATEN_CPU_CAPABILITY other than default")
-
-# Inductor's cache does not key its CPU kernels on ATEN_CPU_CAPABILITY: a session under another capability
-# reused kernels built under this machine's and computed wrong results. Each capability gets its own cache.
-if "ATEN_CPU_CAPABILITY" in os.environ:
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 @pytest.fixture(autouse=True)
