@@ -34,9 +34,10 @@ def run(tiny_shards, tmp_path, *extra, run_id="run"):
 def test_a_few_steps_learn(tiny_shards, tmp_path):
     result = run(tiny_shards, tmp_path, "--num_iterations=8", "--val_loss_every=8")
     val, train = result["val_losses"], result["train_losses"]
-    # zero-initialized lm_head: uniform over the padded vocab (1000 -> 1024) in each 127-position sequence, whose
-    # equal losses validation averages exactly in float64
-    assert abs(val[0] - math.log(1024)) <= uniform_eval_loss_bound(1024, 127)
+    # zero-initialized lm_head: uniform over the padded vocab in each validation sequence (its positions the
+    # targets it holds), whose equal losses validation averages exactly in float64
+    padded, positions = train_gpt.next_multiple(TINY_VOCAB, 128), 128 - 1  # TINY_RUN's val_seq_len less one
+    assert abs(val[0] - math.log(padded)) <= uniform_eval_loss_bound(padded, positions)
     assert train[8] < train[1] - 1.0
     assert val[8] < val[0] - 1.0
     assert result["unigram_entropy"] < val[0]
