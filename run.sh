@@ -2,19 +2,34 @@
 # ./run.sh [train_gpt.py options]  main job: FineWeb + torchrun on CUDA GPUs, Shakespeare + cpu preset
 #                                  otherwise, then a sample of the model it trained
 # ./run.sh test [pytest options]   the test suite
+# ./run.sh test --torch=VERSION [pytest options]
+#                                  the test suite on another torch release, in .venv-torchVERSION (.venv keeps
+#                                  the pin); RUN_SH_TORCH=VERSION ./run.sh ... does the same for any job
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
+if [ "${1:-}" = "test" ] && [[ "${2:-}" == --torch=* ]]; then
+  export RUN_SH_TORCH=${2#--torch=}  # exported: the ./run.sh calls the tests make use the same venv
+  set -- test "${@:3}"
+fi
+VENV=.venv
+if [ -n "${RUN_SH_TORCH:-}" ]; then
+  [[ "$RUN_SH_TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] \
+    || { echo "run.sh: --torch=$RUN_SH_TORCH is not a torch release; give one such as 2.11.0" >&2; exit 2; }
+  VENV=.venv-torch$RUN_SH_TORCH
+fi
+
 # Prints the CUDA GPU count, the dtype dtype=auto picks here and why NVIDIA GPUs are unusable (if so) when $1
-# imports torch and every package at the version requirements.txt pins with ==; fails otherwise. One start.
+# imports torch at $RUN_SH_TORCH (else the pin) and every other package at the version requirements.txt pins with ==;
+# fails otherwise. One start.
 deps_ok() {
   "$1" - <<'PY' 2>/dev/null
-import importlib.metadata, re, sys
-for line in open("requirements.txt"):
-    pin = re.match(r"\s*([A-Za-z0-9_.-]+)==([^\s#]+)", line)
-    if pin and importlib.metadata.version(pin[1]).split("+")[0] != pin[2]:
-        sys.exit(1)
+import importlib.metadata, os, re, sys
+pins = dict(re.findall(r"^\s*([A-Za-z0-9_.-]+)==([^\s#]+)", open("requirements.txt").read(), re.M))
+pins["torch"] = os.environ.get("RUN_SH_TORCH") or pins["torch"]
+if any(importlib.metadata.version(name).split("+")[0] != version for name, version in pins.items()):
+    sys.exit(1)
 import torch
 print(torch.cuda.device_count())
 try:
@@ -27,17 +42,19 @@ PY
 }
 
 PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+[ -x "$VENV/bin/python" ] && PY=$VENV/bin/python
 if ! found=$(deps_ok "$PY"); then
-  if [ ! -x .venv/bin/python ]; then
-    echo "run.sh: creating .venv and installing requirements.txt" >&2
-    python3 -m venv .venv
+  wanted="requirements.txt${RUN_SH_TORCH:+ with torch $RUN_SH_TORCH}"
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "run.sh: creating $VENV and installing $wanted" >&2
+    python3 -m venv "$VENV"
   else
-    echo "run.sh: .venv is missing requirements; installing requirements.txt" >&2
+    echo "run.sh: $VENV is missing requirements; installing $wanted" >&2
   fi
-  PY=.venv/bin/python
-  "$PY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-  found=$(deps_ok "$PY") || { echo "run.sh: the requirements still do not import in .venv; see the pip output above" >&2; exit 1; }
+  PY=$VENV/bin/python
+  "$PY" -m pip install --quiet --disable-pip-version-check \
+    -r <(sed "${RUN_SH_TORCH:+s/^torch==[^ #]*/torch==$RUN_SH_TORCH/}" requirements.txt)
+  found=$(deps_ok "$PY") || { echo "run.sh: the requirements still do not import in $VENV; see the pip output above" >&2; exit 1; }
 fi
 { read -r gpus; read -r auto_dtype; read -r unusable_gpus || true; } <<< "$found"  # $(...) drops an empty last line
 

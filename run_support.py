@@ -162,8 +162,11 @@ class RunLog:
         """The logged sources, then what a reader needs to reproduce or compare the run."""
         if self.file is not None:
             self.write(sources + SEPARATOR + "\n")
-        self(f"python {sys.version.split()[0]} | torch {torch.__version__}"
+        self(f"python {sys.version.split()[0]} | {torch_description()}"
              f"{f' | CUDA {torch.version.cuda}' if torch.version.cuda else ''}", console=False)
+        untested = untested_torch_message()
+        if untested:
+            self(f"warning: {untested}")
         for line in describe_hardware(device, world_size):
             self(line, console=False)
         self(f"hyperparameters (preset {preset}):", console=False)
@@ -567,6 +570,33 @@ def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, 
     command = shlex.join([*launcher, "train_gpt.py", *kept, f"--run_id={run_id}", f"--resume={path}"])
     log(f"stopped by {name} after step {step}; checkpoint: {path}")
     return Preempted(signum, f"stopped by {name} after step {step}; resume with: {command}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The torch a run is on: requirements.txt's pin, and every release the whole suite has passed on
+
+TORCH_PIN = "2.13.0"  # requirements.txt's torch==; a test holds the two equal
+TESTED_TORCH = ("2.11.0", "2.13.0")  # ./run.sh test --torch=VERSION passes on each
+
+
+def torch_release(version: str | None = None) -> str:
+    """The release of a torch version string, without its build tag: 2.11.0+cu130 -> 2.11.0."""
+    return (version or torch.__version__).split("+")[0]
+
+
+def torch_description(version: str | None = None) -> str:
+    version = version or torch.__version__
+    return f"torch {version} (requirements.txt pins {TORCH_PIN}; tested on {', '.join(TESTED_TORCH)})"
+
+
+def untested_torch_message(version: str | None = None) -> str | None:
+    """One line when this torch is not a release the suite has passed on, else None: a warning, not a refusal, since
+    rented GPU machines bring their own torch and no registry."""
+    version = version or torch.__version__
+    if torch_release(version) in TESTED_TORCH:
+        return None
+    return (f"torch {version} is not a release this project is tested on ({', '.join(TESTED_TORCH)}); results may differ "
+            f"from a tested torch's: ./run.sh test --torch={torch_release(version)} runs the suite on it")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -677,7 +677,8 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
             softmax = torch.exp2(s * (LOGIT_SOFTCAP * LOG2E))
             sum_exp = softmax.sum(dim=-1)
             s_target = s.gather(1, target_cols)
-            total += (sum_exp.log() - LOGIT_SOFTCAP * s_target.squeeze(1)).sum()
+            # Out of place: torch 2.11's dynamo passes a zero gradient to backward for an output it saw mutated.
+            total = total + (sum_exp.log() - LOGIT_SOFTCAP * s_target.squeeze(1)).sum()
             if not need_grads:
                 continue
             # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s); the one-hot entry of each row is

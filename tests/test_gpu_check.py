@@ -64,7 +64,14 @@ def test_a_wrong_flex_result_fails(monkeypatch):
         gpu_check.check_flex(torch.device("cpu"), 256, backward=False, heads=1, head_dim=32, stages=1)
 
 
-def test_a_torch_that_differs_from_the_pin_fails(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.99.0")
-    with pytest.raises(AssertionError, match="torch 2.99.0 but requirements.txt pins 2.13.0"):
+def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(monkeypatch):
+    """A rented GPU machine brings its own torch: a release the suite has passed on is named with the pin beside
+    it, any other release fails the row with the warning a run would log."""
+    for release in train_gpt.support.TESTED_TORCH:
+        monkeypatch.setattr(torch, "__version__", f"{release}+cu130")
+        assert gpu_check.check_environment(torch.device("cpu")) == (
+            f"torch {release}+cu130 (requirements.txt pins 2.13.0; tested on 2.11.0, 2.13.0); no CUDA")
+    monkeypatch.setattr(torch, "__version__", "2.12.0+cu130")
+    with pytest.raises(AssertionError, match=r"^torch 2\.12\.0\+cu130 is not a release this project is tested on "
+                                             r"\(2\.11\.0, 2\.13\.0\); .* ./run.sh test --torch=2\.12\.0 runs the suite on it$"):
         gpu_check.check_environment(torch.device("cpu"))

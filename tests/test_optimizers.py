@@ -151,6 +151,23 @@ def test_orthogonalize_in_float32_follows_the_float64_iteration(method):
     assert_within(fp32, exact, bound, f"{method} in float32")
 
 
+@pytest.mark.parametrize("method", train_gpt.ORTHOGONALIZERS)
+def test_compiled_orthogonalize_computes_the_iteration(method):
+    """The device plan compiles Muon's orthogonalization on CUDA. torch.compile's capture and AOT autograd's graph
+    (backends eager, aot_eager) run eager's kernels: the bf16 result to the bit. Inductor's kernels round apart: in
+    float32 (bf16 has no meaningful bound), within the derived bound of the float64 iteration, as the test above."""
+    G = random_matrices((2, 3, 6), 0)
+    eager = train_gpt.orthogonalize(G, method)
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(train_gpt.orthogonalize, backend=backend, dynamic=False)(G, method), eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(train_gpt.orthogonalize, dynamic=False)(G, method, torch.float32)
+    exact = train_gpt.orthogonalize(G.double(), method, torch.float64)
+    bound = orthogonalization_error(G, method, torch.float32) + orthogonalization_error(G, method, torch.float64)
+    assert_within(compiled, exact, bound, f"compiled {method} in float32")
+
+
 def test_muon_reduces_a_least_squares_loss():
     """Muon fits W_i X_i ~ Y_i for matrices of two shapes (tall and wide): the loss falls 20x."""
     torch.manual_seed(0)

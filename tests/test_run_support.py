@@ -133,3 +133,39 @@ def test_peak_rss_is_in_mib_whatever_unit_the_os_counts_in(monkeypatch, platform
     monkeypatch.setattr(support.sys, "platform", platform)
     monkeypatch.setattr(support.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=max_rss))
     assert support.peak_memory_line(torch.device("cpu")).startswith("peak memory (RSS): 3 MiB")
+
+
+def test_the_torch_pin_is_requirements_txt_s_and_a_tested_release():
+    """run_support names the pin in every log; requirements.txt installs it: one value, held equal here."""
+    requirements = (ROOT / "requirements.txt").read_text()
+    assert f"\ntorch=={support.TORCH_PIN}\n" in requirements and support.TORCH_PIN in support.TESTED_TORCH
+
+
+@pytest.mark.parametrize("version, untested", [("2.13.0+cpu", False), ("2.13.0", False), ("2.11.0+cu130", False),
+                                               ("2.12.0+cu130", True), ("2.11.1", True), ("2.13.0a0+git4b02cd4", True)])
+def test_only_a_tested_release_runs_without_a_warning(version, untested):
+    message = support.untested_torch_message(version)
+    assert (message is not None) == untested
+    if untested:
+        release = version.split("+")[0]
+        assert message == (f"torch {version} is not a release this project is tested on (2.11.0, 2.13.0); results may "
+                           f"differ from a tested torch's: ./run.sh test --torch={release} runs the suite on it")
+
+
+def test_run_sh_checks_the_torch_it_was_asked_for():
+    """./run.sh test --torch=VERSION keeps its own venv with that torch and the other pins: deps_ok accepts the
+    running release when asked for it, refuses another, and a version that is not a release stops with one line."""
+    def deps_ok(torch_release):
+        env = {k: v for k, v in os.environ.items() if k != "RUN_SH_TORCH"}
+        if torch_release:
+            env["RUN_SH_TORCH"] = torch_release
+        return subprocess.run(["bash", "-c", 'source <(sed -n "/^deps_ok()/,/^}/p" run.sh) && deps_ok "$0"',
+                               sys.executable], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert deps_ok(support.torch_release()).returncode == 0
+    assert deps_ok("9.9.9").returncode != 0
+    if support.torch_release() == support.TORCH_PIN:
+        assert deps_ok(None).returncode == 0
+    refused = subprocess.run(["bash", str(ROOT / "run.sh"), "test", "--torch=2.11"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == "run.sh: --torch=2.11 is not a torch release; give one such as 2.11.0\n"
