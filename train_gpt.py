@@ -222,9 +222,16 @@ def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype =
         X = X / (norm * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
     else:
         X = X / (norm + 1e-7)
+    # Each line rounds once, as the record's kernels do: A = X X^T, B = b A + c A A^T, X = a X + B X, the last two as
+    # one scaled product and sum each (addmm, or baddbmm over the matrices of a stack).
+    shape = X.shape
+    X = X.contiguous() if X.ndim <= 3 else X.reshape(-1, *shape[-2:])
+    product_and_sum = torch.addmm if X.ndim == 2 else torch.baddbmm
     for a, b, c in coeffs:
         A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
+        B = product_and_sum(A, A, A.mT, beta=b, alpha=c)
+        X = product_and_sum(X, B, X, beta=a)
+    X = X.view(shape)
     return X.mT if transposed else X
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt
-from rounding import EXP_ULPS, UNIT_ROUNDOFF, assert_within, gamma
+from rounding import EXP_ULPS, UNIT_ROUNDOFF, TorchCalls, assert_within, gamma, worst_case_gamma
 
 pytestmark = pytest.mark.numerics
 
@@ -80,9 +80,10 @@ def steepest_slope(a, b, c, lo, hi):
 
 
 def step_rounding(bound, a, b, c, dtype):
-    """A bound on the Frobenius norm of the rounding of one step, a X + (b A + (c A) A) X with A = X X^T, computed in
+    """A bound on the Frobenius norm of the rounding of one step, a X + (b A + c A A) X with A = X X^T, computed in
     dtype from any X with |X| <= bound: a matmul within gamma(its inner dim) |P| |Q|, a product by a constant (rounded
-    to dtype) within gamma(2), a sum within u, and each intermediate's error carried through what multiplies it."""
+    to dtype) within gamma(2), a sum within u, and each intermediate's error carried through what multiplies it. A
+    line computed as one scaled product and sum (addmm) rounds no more often, so the bound holds for it too."""
     u, rows, cols = UNIT_ROUNDOFF[dtype], bound.size(-2), bound.size(-1)
     gram = bound @ bound.mT  # bounds |A|
     gram_error = gamma(cols, dtype) * gram
@@ -149,6 +150,36 @@ def test_orthogonalize_in_float32_follows_the_float64_iteration(method):
     # each of the two within its own bound of the iteration in exact arithmetic
     bound = orthogonalization_error(G, method, torch.float32) + orthogonalization_error(G, method, torch.float64)
     assert_within(fp32, exact, bound, f"{method} in float32")
+
+
+@pytest.mark.parametrize("method", train_gpt.ORTHOGONALIZERS)
+@pytest.mark.parametrize("shape", [(96, 48), (3, 32, 64), (2, 2, 16, 24)], ids=str)
+def test_each_line_of_the_iteration_rounds_once_as_the_records_kernels_do(method, shape):
+    """The record stores each line of the iteration once in bf16 after float32 accumulation: A = X X^T,
+    B = b A + c A A^T, X' = a X + B X. orthogonalize() computes three such lines an iteration, each one rounding
+    of its value computed in float32 from the line's recorded bf16 inputs: two roundings to bf16 of values within
+    delta of each other lie within delta plus a bf16 rounding of each. Rounding after each operation (the form
+    before) computes seven values an iteration, and B's large terms b A and c A A, which nearly cancel, each round."""
+    G = random_matrices(shape, 0)
+    with TorchCalls() as run:
+        train_gpt.orthogonalize(G, method)
+    stored = [result for name, result, _ in run.calls if name in ("contiguous", "reshape", "matmul", "addmm", "baddbmm")]
+    X, lines = stored[0], stored[1:]
+    coeffs = train_gpt.ORTHOGONALIZERS[method]
+    assert len(lines) == 3 * len(coeffs) and all(t.dtype == torch.bfloat16 for t in stored)
+    u, size = UNIT_ROUNDOFF[torch.bfloat16], max(X.shape[-2:])
+    for (a, b, c), (A, B, X_next) in zip(coeffs, zip(*[iter(lines)] * 3)):
+        x, gram, poly = X.double(), A.double(), B.double()
+        # each line's exact value from its bf16 inputs, and the float32 error of a computation of it (matmul
+        # accumulation, the two coefficient products and the sum), which both computations are within
+        for got, exact, magnitude in ((A, x @ x.mT, x.abs() @ x.abs().mT),
+                                      (B, b * gram + c * gram @ gram.mT, abs(b) * gram.abs() + abs(c) * gram.abs() @ gram.abs()),
+                                      (X_next, a * x + poly @ x, abs(a) * x.abs() + poly.abs() @ x.abs())):
+            delta = 2 * worst_case_gamma(size + 3) * magnitude
+            reference = exact.float().bfloat16().double()
+            bound = u / (1 - u) * (got.double().abs() + reference.abs()) + delta
+            assert_within(got, reference, bound, f"{method} line of shape {tuple(got.shape)}")
+        X = X_next
 
 
 @pytest.mark.parametrize("method", train_gpt.ORTHOGONALIZERS)
