@@ -3,8 +3,8 @@
 #                                  otherwise, then a sample of the model it trained
 # ./run.sh test [pytest options]   the test suite
 # ./run.sh test --torch=VERSION [pytest options]
-#                                  the test suite on another torch release, in .venv-torchVERSION (.venv keeps
-#                                  the pin); RUN_SH_TORCH=VERSION ./run.sh ... does the same for any job
+#                                  the test suite on another torch release (--torch right after test), in
+#                                  .venv-torchVERSION (.venv keeps the pin); RUN_SH_TORCH=VERSION for any job
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
@@ -17,7 +17,7 @@ VENV=.venv
 if [ -n "${RUN_SH_TORCH:-}" ]; then
   [[ "$RUN_SH_TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] \
     || { echo "run.sh: --torch=$RUN_SH_TORCH is not a torch release; give one such as 2.11.0" >&2; exit 2; }
-  VENV=.venv-torch$RUN_SH_TORCH
+  grep -qx "torch==$RUN_SH_TORCH" requirements.txt || VENV=.venv-torch$RUN_SH_TORCH  # the pin keeps .venv
 fi
 
 # Prints the CUDA GPU count, the dtype dtype=auto picks here and why NVIDIA GPUs are unusable (if so) when $1

@@ -721,11 +721,14 @@ class GPT(nn.Module):
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
                  value_embed_gates: bool = False, attn_gates: bool = False, first_layer_mlp: bool = False,
-                 windows=(3, 7, 11, 13), window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1,
-                 attention_scale_growth: float = 0.2):
+                 first_layer_attention: bool = True, smear: bool = False, skip_gates: bool = False,
+                 backout_layer: int = -1, windows=(3, 7, 11, 13), window_unit: int = BLOCK_SIZE,
+                 attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
+        if not -1 <= backout_layer < num_layers:
+            raise ValueError(f"backout_layer must be a layer below num_layers={num_layers}, or -1 for none; got {backout_layer}")
         self.vocab_size, self.num_layers, self.max_seq_len = vocab_size, num_layers, max_seq_len
         self.attention_backend = attention_backend
         self.ve_layout = value_embedding_layout(num_layers, value_embed_layout)
@@ -733,18 +736,34 @@ class GPT(nn.Module):
         no_attention = attention_free_layer(num_layers, value_embed_layout)
         padded_vocab = next_multiple(vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
         self.embed = nn.Embedding(padded_vocab, model_dim)
+        # The smear's gate reads the first GATE_INPUTS dims of a token's embedding; made (and its init drawn) right after
+        # the embedding, as in the record; zero-initialized.
+        self.smear_gate = CastedLinear(min(GATE_INPUTS, model_dim), 1) if smear else None
+        if smear:
+            self.smear_gate.weight.detach().zero_()
         self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
                                           for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
-        # One parameter for all scalars (one Adam tensor): U-net skip weights, then per layer the
-        # (stream, x0) mixing lambdas, then per layer the (v, value embedding) lambdas.
+        # One parameter for all scalars (one Adam tensor): U-net skip weights, per layer the (stream, x0) and the (v,
+        # value embedding) lambdas, then the smear's lambda and the backout's where those are on.
+        self.skip_gates, self.backout_layer = skip_gates, backout_layer
+        self.smear_index = num_layers // 2 + 4 * num_layers
+        self.backout_index = self.smear_index + smear
         self.scalars = nn.Parameter(torch.cat([
-            torch.ones(num_layers // 2),
+            torch.full((num_layers // 2,), -1.5 if skip_gates else 1.0),
             torch.tensor([1.0, 0.0]).repeat(num_layers),
             torch.tensor([0.5, 0.5]).repeat(num_layers),
+            torch.zeros(int(smear)),
+            torch.full((int(backout_layer >= 0),), 0.5),
         ]))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, i > 0 or first_layer_mlp,
-                                          attn_gates, value_embed_gates and self.ve_layout[i] is not None)
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention and (i > 0 or first_layer_attention),
+                                          i > 0 or first_layer_mlp, attn_gates,
+                                          value_embed_gates and self.ve_layout[i] is not None)
                                     for i in range(num_layers))
+        # An empty first block is skipped whole (its mixing too, as in the record): the U-net then pairs layers 1..L/2-1
+        # with L-2..L/2, and the last layer gets no skip.
+        self.first_layer = int(self.blocks[0].attn is None and self.blocks[0].mlp is None)
+        if 0 <= backout_layer < self.first_layer:
+            raise ValueError(f"backout_layer={backout_layer} is the empty first block, which is skipped")
         self.window_unit = window_unit
         self.rotary = Rotary(head_dim, max_seq_len, window_unit)
         self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
@@ -772,21 +791,40 @@ class GPT(nn.Module):
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
-        attn_lambdas = self.scalars[L // 2 + 2 * L:].view(L, 2)
+        attn_lambdas = self.scalars[L // 2 + 2 * L:self.smear_index].view(L, 2)
         long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit)
         scale = self.attention_scales[window]
         ve = [table(tokens)[None] for table in self.value_embeds]
-        x = x0 = norm(self.embed(tokens)[None])
-        skips = []
-        for i, block in enumerate(self.blocks):
-            if i >= L // 2:
-                x = x + skip_weights[i - L // 2] * skips.pop()
+        x = self.embed(tokens)
+        if self.smear_gate is not None:
+            x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None)
+        x = x0 = norm(x[None])
+        skips, backout = [], None
+        for i in range(self.first_layer, L):
+            if L // 2 <= i < L - self.first_layer:
+                skip = skips.pop()
+                x = x + (torch.sigmoid(skip_weights[i - L // 2]) if self.skip_gates else skip_weights[i - L // 2]) * skip
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
-            x = block(x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
-                      self.rotary, scale, None if cache is None else cache.layers[i])
+            x = self.blocks[i](x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
+                               self.rotary, scale, None if cache is None else cache.layers[i])
             if i < L // 2:
                 skips.append(x)
+            if i == self.backout_layer:
+                backout = x
+        if backout is not None:
+            # The record's backout: what the layers up to it wrote, needed as context downstream, taken out of the prediction.
+            x = x - self.scalars[self.backout_index] * backout
         return x
+
+    def smear(self, e: Tensor, before: Tensor | None = None) -> Tensor:
+        """Token embeddings e (T, D) with a gated share of each one's predecessor added (the 2025-09-18 record's
+        smear): e_t + lambda sigmoid(w . e_t[:12]) e_(t-1), across documents; the first token keeps its own, unless
+        generation passes the embedding before it."""
+        if before is not None:
+            e = torch.cat([before, e])
+        gate = self.scalars[self.smear_index] * torch.sigmoid(self.smear_gate(e[1:, :self.smear_gate.in_features]))
+        e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
+        return e if before is None else e[1:]
 
     def softcapped_logits(self, x: Tensor) -> Tensor:
         """float32 logits over the padded vocabulary from the final residual stream."""
@@ -1070,6 +1108,7 @@ class Hyperparameters:
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
     num_iterations: int = 1670  # optimizer steps
+    extension_steps: int = 0  # the last of num_iterations run past the window schedule, at its last window, the lr decaying through them (2025-10-24: 40)
     cooldown_frac: float = 0.5  # final fraction of training in which the lr decays linearly to 0.1x
     val_loss_every: int = 125  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
@@ -1087,6 +1126,10 @@ class Hyperparameters:
     value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
     attn_gates: bool = True  # a learned per-head gate on each attention output, trained by Muon (the record's sparse attention gate)
     first_layer_mlp: bool = False  # an MLP in layer 0 (the record has none)
+    first_layer_attention: bool = True  # attention in layer 0; off (with first_layer_mlp off), block 0 is empty and skipped (records from 2025-09-21)
+    smear: bool = False  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
+    skip_gates: bool = False  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
+    backout_layer: int = -1  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04: 8); -1: none
     attention_scale: float = 0.1  # softmax scale in the first window stage
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
@@ -1100,6 +1143,7 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
+    muon_momentum_cooldown_steps: int = 0  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30: 50)
     muon_neuron_beta2: float = 0.0  # NorMuon (Li et al., 2025): EMA decay of each neuron's update mean square, 0.95 published; 0: off (the record)
     muon_cautious_wd: float = 0.0  # cautious weight decay on Muon's matrices (Chen et al., 2025), ramping linearly to 0 over training; best ~ 1/width^2; 0: off (the record)
     orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
@@ -1215,6 +1259,16 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
+    for name in ("extension_steps", "muon_momentum_cooldown_steps"):
+        if not 0 <= getattr(args, name) < args.num_iterations:
+            raise ConfigError(f"{name}={getattr(args, name)} must be within [0, num_iterations={args.num_iterations})")
+    empty_first_block = not args.first_layer_attention and not args.first_layer_mlp
+    if not -1 <= args.backout_layer < args.num_layers or (empty_first_block and args.backout_layer == 0):
+        raise ConfigError(f"backout_layer={args.backout_layer} must be a layer below num_layers={args.num_layers} other "
+                          f"than an empty block 0, or -1 for none")
+    if empty_first_block and args.num_layers < 4:
+        raise ConfigError(f"num_layers={args.num_layers}: with block 0 empty (first_layer_attention and first_layer_mlp "
+                          f"off) at least 4 layers, so that a skip connects them")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
         raise ConfigError(f"window_stages={','.join(map(str, args.window_stages))}, final_window={args.final_window} and "
                           f"window_unit={args.window_unit} must be at least 1")
@@ -1335,6 +1389,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
                value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
                attn_gates=args.attn_gates, first_layer_mlp=args.first_layer_mlp,
+               first_layer_attention=args.first_layer_attention, smear=args.smear, skip_gates=args.skip_gates,
+               backout_layer=args.backout_layer,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 
@@ -1342,9 +1398,11 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
                      plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
     """Adam for the lm_head, the embeddings and the scalars (value-embedding gates too: a few scalars a head); Muon for
-    the hidden matrices, attention gates included (the record). Each group keeps its initial_lr for the schedule."""
+    the hidden matrices, attention and smear gates included (the records). Each group keeps its initial_lr for the
+    schedule."""
     ve_gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in ve_gates)]
+    hidden += [model.smear_gate.weight] if model.smear_gate is not None else []
     embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
     compiled = plan is not None and plan.compile_optimizers
     adam = Adam([dict(params=[model.lm_head.weight], lr=args.head_lr), dict(params=embeddings, lr=args.embed_lr),
@@ -1372,10 +1430,12 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
 
 
 def window_at(step: int, args: Hyperparameters) -> int:
-    """The long window in window units: window_stages in equal parts of the run, final_window for the last validation."""
+    """The long window in window units: window_stages in equal parts of the run before its extension steps, the last
+    stage through them, final_window for the last validation."""
     if step == args.num_iterations:
         return args.final_window
-    return args.window_stages[len(args.window_stages) * step // (args.num_iterations + 1)]
+    stages = args.window_stages
+    return stages[min(len(stages) * step // (args.num_iterations - args.extension_steps + 1), len(stages) - 1)]
 
 
 def move_window(model: GPT, window: int, step: int, args: Hyperparameters) -> int:
@@ -1397,8 +1457,15 @@ def replay_windows(model: GPT, step: int, args: Hyperparameters) -> int:
 
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
-    frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
-    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+    """From muon_momentum_start up to muon_momentum_end over the warm-up, and back over the cooldown's last steps."""
+    if step < args.muon_momentum_warmup_steps:
+        frac = step / args.muon_momentum_warmup_steps
+        return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+    cooldown_start = args.num_iterations - args.muon_momentum_cooldown_steps
+    if args.muon_momentum_cooldown_steps and step > cooldown_start:
+        frac = (step - cooldown_start) / args.muon_momentum_cooldown_steps
+        return args.muon_momentum_end - frac * (args.muon_momentum_end - args.muon_momentum_start)
+    return args.muon_momentum_end
 
 
 def muon_weight_decay(step: int, args: Hyperparameters) -> float:

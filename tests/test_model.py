@@ -579,6 +579,88 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
         assert torch.equal(captured, eager), name
 
 
+def records_structure_gpt(seed=0):
+    """12 layers with the records' structure from 2025-10-04 on: block 0 empty, the smear, sigmoid skip gates and
+    the backout after block 8."""
+    torch.manual_seed(seed)
+    return train_gpt.GPT(VOCAB, 12, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=WINDOWS,
+                         first_layer_attention=False, smear=True, skip_gates=True, backout_layer=8)
+
+
+def test_the_records_structure_starts_as_the_record_does():
+    """Attention in layers 1-6 and 8-11, MLPs in 1-11; 56 scalars: six skip weights at -1.5, the (1, 0) and
+    (0.5, 0.5) lambdas of each layer, the smear's lambda at 0 and the backout's at 0.5; the smear gate (1 x 12)
+    zero, made after the embedding: its 12 uniform draws come before every other parameter's."""
+    model = records_structure_gpt()
+    assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+    assert [i for i, b in enumerate(model.blocks) if b.mlp is not None] == list(range(1, 12))
+    expected = torch.cat([torch.full((6,), -1.5), torch.tensor([1.0, 0.0]).repeat(12), torch.tensor([0.5, 0.5]).repeat(12),
+                          torch.tensor([0.0, 0.5])])
+    assert torch.equal(model.scalars.detach(), expected)
+    assert model.smear_gate.weight.shape == (1, 12) and not model.smear_gate.weight.any()
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(train_gpt.next_multiple(VOCAB, 128), 32)
+    torch.empty(1, 12).uniform_()
+    first_value_embed = torch.nn.Embedding(train_gpt.next_multiple(VOCAB, 128), 32)
+    assert torch.equal(model.embed.weight, embed.weight)
+    assert torch.equal(model.value_embeds[0].weight, first_value_embed.weight)
+    _, muon = train_gpt.build_optimizers(model, train_gpt.Hyperparameters())
+    assert any(p is model.smear_gate.weight for p in muon.param_groups[0]["params"])
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_the_records_structure_computes_the_records_forward(window):
+    """The trunk against the record's forward written out (2025-10-24's listing): the smear of each token's raw
+    embedding by its predecessor's, block 0 skipped, layers 1-5 pushed and popped by layers 10-6 through
+    sigmoid gates, none into layer 11, and the residual after block 8 times its lambda taken out at the end.
+    The same operations in the same order: equal to the bit, with every weight and scalar random."""
+    model = randomize_(records_structure_gpt())
+    tokens, _ = documents()
+    s, F = model.scalars, torch.nn.functional
+    skip_weights, lambdas, sa_lambdas = s[:6], s[6:30].view(12, 2), s[30:54].view(12, 2)
+    smear_lambda, backout_lambda = s[54], s[55]
+    e = model.embed(tokens)
+    gate = smear_lambda * torch.sigmoid(F.linear(e[1:, :12], model.smear_gate.weight))
+    x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
+    ve = [table(tokens)[None] for table in model.value_embeds]
+    ve = [None, ve[1], ve[2], None, None, None, None, None, None, ve[0], ve[1], ve[2]]
+    long_mask, short_mask = train_gpt.attention_masks(tokens, window, "sdpa")
+    skips = []
+    for i in range(1, 12):
+        if 6 <= i < 11:
+            x = x + torch.sigmoid(skip_weights[i - 6]) * skips.pop()
+        x = model.blocks[i](x, x0, ve[i], lambdas[i], sa_lambdas[i], long_mask if i in (4, 11) else short_mask,
+                            model.rotary, model.attention_scales[window])
+        if i < 6:
+            skips.append(x)
+        if i == 8:
+            x_backout = x
+    expected = x - backout_lambda * x_backout
+    assert torch.equal(model.trunk(tokens, window), expected)
+
+
+def test_the_smear_by_hand():
+    """e'_0 = e_0 and e'_t = e_t + lambda sigmoid(w . e_t[:12]) e_(t-1), token by token in float64 from the float64
+    model's own weights, on both sides: the 12-term dot within gamma(12) of sum |w e| (sigmoid's slope, at most 1/4,
+    shrinks it), the gate's exp within EXP_ULPS units and three more roundings, the product and the sum one each."""
+    model = randomize_(records_structure_gpt()).double()
+    e = torch.randn(40, 32, dtype=torch.float64)
+    w, lam = model.smear_gate.weight[0].detach(), model.scalars[54].item()
+    smeared = model.smear(e).detach()
+    continued = model.smear(e[10:], e[9:10]).detach()  # generation's form: tokens after a known one, smeared by it
+    assert torch.equal(smeared[0], e[0])
+    for t in range(1, 40):
+        dot = sum(w[k].item() * e[t, k].item() for k in range(12))
+        gate = lam / (1 + math.exp(-dot))
+        expected = e[t] + gate * e[t - 1]
+        dot_error = worst_case_gamma(12, torch.float64) * sum(abs(w[k].item() * e[t, k].item()) for k in range(12))
+        gate_error = 2 * (abs(lam) * dot_error / 4 + worst_case_gamma(2 * EXP_ULPS + 3, torch.float64) * abs(gate))
+        bound = gate_error * e[t - 1].abs() + 2 * worst_case_gamma(2, torch.float64) * (e[t].abs() + abs(gate) * e[t - 1].abs())
+        assert_within(smeared[t], expected, bound, f"token {t}")
+        if t >= 10:
+            assert_within(continued[t - 10], expected, bound, f"token {t} after token {t - 1}")
+
+
 def test_chunked_loss_without_grad_is_the_loss_alone():
     """Without gradients (its pass that skips making them) the chunked loss gives the float64 loss within the
     derived float32 bound."""

@@ -388,6 +388,35 @@ def test_window_at_record_boundaries():
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 6]
 
 
+NORMUON_SCHEDULE = dataclasses.replace(RECORD, num_iterations=2315, extension_steps=40, muon_momentum_cooldown_steps=50)
+
+
+def test_the_2025_10_24_schedules_at_every_step():
+    """2275 scheduled steps and 40 more (2315), at every step against the record's functions written out: get_ws
+    switches windows at 759 and 1518 and holds 11 through the extension; get_lr decays over all 2315 steps; after
+    the warm-up, get_muon_momentum is 0.95 exactly until the last 50 steps, then falls to 0.85 (the same float
+    operations: equal). The warm-up's float form is Yarn's here (the record's 0.85 + f (0.95 - 0.85) differs in
+    the last bits): it changes with the record preset. A cooldown reaching into the warm-up leaves the warm-up."""
+    args = dataclasses.replace(NORMUON_SCHEDULE, cooldown_frac=0.45)
+
+    def record_lr(step):
+        x = min(0.9999, step / 2315)
+        if x >= 1 - 0.45:
+            w = (1 - x) / 0.45
+            return w * 1.0 + (1 - w) * 0.1
+        return 1.0
+
+    for step in range(args.num_iterations):
+        assert train_gpt.window_at(step, args) == (3, 7, 11)[int(3 * min(step / 2276, 0.9999))], step
+        assert train_gpt.lr_multiplier(step, args) == record_lr(step), step
+        if step >= 300:
+            expected = 0.95 - ((step - 2265) / 50) * (0.95 - 0.85) if step > 2265 else 0.95
+            assert train_gpt.muon_momentum(step, args) == expected, step
+    assert [train_gpt.window_at(s, args) for s in (758, 759, 1517, 1518, 2314, 2315)] == [3, 7, 7, 11, 11, 13]
+    overlapping = dataclasses.replace(args, num_iterations=320)  # the cooldown would start at 270
+    assert train_gpt.muon_momentum(280, overlapping) == train_gpt.muon_momentum(280, RECORD) < 0.95
+
+
 def test_attention_scales_record():
     """0.1 at the first window, then times 1 + 0.2 ln(new / previous) at each new window, by hand (the same float
     operations in the same order, so equal); the published values to 7 decimals. A repeated window keeps its scale

@@ -215,8 +215,19 @@ def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomi
             assert torch.equal(logits[0], logits[1])
 
 
+@pytest.fixture(scope="module")
+def randomized_records_structure_gpt():
+    """randomized_gpt with the later records' structure: block 0 empty, the smear (whose first new token reads the
+    cached one before it), sigmoid skip gates and the backout after block 2."""
+    torch.manual_seed(0)
+    model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512, windows=(1, 2, 3),
+                          first_layer_attention=False, smear=True, skip_gates=True, backout_layer=2)
+    return randomize_(model, seed=0).eval()
+
+
+@pytest.mark.parametrize("structure", ["randomized_gpt", "randomized_records_structure_gpt"])
 @pytest.mark.parametrize("window", [1, 2, 3])
-def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(randomized_gpt, window):
+def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(request, structure, window):
     """Pieces of 1, 127, 12, 100 and 160 tokens; documents start mid-block, twice inside a block that
     the cache already holds part of; window 1 leaves the short layers each query's own key alone. After
     every piece the next-token logits equal those of the forward over everything fed so far, and the
@@ -224,7 +235,7 @@ def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(randomized_gpt
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, EOT, (400,), generator=g)
     tokens[[0, 100, 230, 300]] = EOT
-    model = randomized_gpt
+    model = request.getfixturevalue(structure)
     exact_model = copy.deepcopy(model).double().requires_grad_()
     cache, fed, ran = sample.KVCache(model.num_layers), 0, []
     trunk = model.trunk

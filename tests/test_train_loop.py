@@ -21,6 +21,9 @@ from rounding import EXP_ULPS, UNIT_ROUNDOFF, assert_within
 from test_model import uniform_eval_loss_bound
 from test_optimizers import adam_by_hand
 
+sys.path.insert(0, str(ROOT / "tools"))
+import sample  # noqa: E402
+
 SOURCE = (ROOT / "train_gpt.py").read_text()
 COMPANION = (ROOT / "run_support.py").read_text()
 
@@ -45,6 +48,21 @@ def test_a_few_steps_learn(tiny_shards, tmp_path):
     timed = re.search(r"^validation, off the training clock: (\d+) x ([\d,]+) tokens in ([\d.]+) s$",
                       Path(result["log_path"]).read_text(), re.M)
     assert timed and int(timed[1]) == len(val) == 2 and timed[2] == "1,024"
+
+
+@pytest.mark.numerics
+def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny_shards, tmp_path):
+    """A run with the later records' structure (block 0 empty, the smear, sigmoid skip gates, the backout): the
+    smear gate trains with Muon and the two new scalars with Adam, the loss falls as in a few steps above, and
+    tools/sample.py loads its checkpoint into the same structure with the trained values."""
+    result = run(tiny_shards, tmp_path, *RECORDS_STRUCTURE, "--num_iterations=8", "--val_loss_every=8",
+                 "--save_checkpoint")
+    assert result["val_losses"][8] < result["val_losses"][0] - 1.0
+    model, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"))
+    assert model.first_layer == 1 and model.skip_gates and model.backout_layer == 2
+    assert model.smear_gate.weight.any()  # moved from its zero init
+    trained = model.scalars[[model.smear_index, model.backout_index]].detach()
+    assert (trained != torch.tensor([0.0, 0.5])).all()  # the smear's and the backout's lambdas from their inits
 
 
 def test_a_run_on_an_untested_torch_warns_once_and_trains(tiny_shards, tmp_path, monkeypatch, capsys):
@@ -459,6 +477,10 @@ def test_overrides_and_flags_parse():
     assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 12 and args.window_stages == (2, 5)
 
 
+RECORDS_STRUCTURE = ["--num_layers=4", "--first_layer_mlp=false", "--first_layer_attention=false", "--smear=true",
+                     "--skip_gates=true", "--backout_layer=2"]
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--seq_len=100"], "seq_len=100 must be a positive multiple of 128"),
     (["--val_seq_len=200"], "val_seq_len=200 must be a positive multiple of 128"),
@@ -474,10 +496,16 @@ def test_overrides_and_flags_parse():
     (["--muon_cautious_wd=-1"], "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
     (["--loss_chunk=-1"], "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
     (["--num_iterations=0"], "num_iterations=0 must be at least 1"),
+    (["--extension_steps=10"], "extension_steps=10 must be within [0, num_iterations=10)"),
+    (["--muon_momentum_cooldown_steps=-1"], "muon_momentum_cooldown_steps=-1 must be within [0, num_iterations=10)"),
+    (["--backout_layer=2"], "backout_layer=2 must be a layer below num_layers=2 other than an empty block 0"),
+    (["--num_layers=4", *RECORDS_STRUCTURE[1:4], "--backout_layer=0"], "backout_layer=0 must be a layer below"),
+    (RECORDS_STRUCTURE[1:3], "num_layers=2: with block 0 empty (first_layer_attention and first_layer_mlp off) at "
+                             "least 4 layers"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
     with pytest.raises(train_gpt.ConfigError, match=re.escape(message)):
-        run(tiny_shards, tmp_path, *extra)
+        run(tiny_shards, tmp_path, "--num_iterations=10", *extra)
     assert not (tmp_path / "logs").exists()
 
 
