@@ -502,10 +502,12 @@ def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int =
     return BlockMask.from_kv_blocks(*listed(some & ~every), *listed(every), BLOCK_SIZE=BLOCK_SIZE, mask_mod=allowed)
 
 
-def attention_masks(tokens: Tensor, window: int, backend: str, first_query: int = 0, unit: int = BLOCK_SIZE) -> tuple:
+def attention_masks(tokens: Tensor, window: int, backend: str, first_query: int = 0, unit: int = BLOCK_SIZE,
+                    long_window: int | None = None) -> tuple:
     """The masks of the long- and short-window layers for a long window of window units of unit tokens:
-    that many units, and half as many (rounded down) for the short one."""
-    return tuple(attention_mask(tokens, units * unit, backend, first_query) for units in (window, window // 2))
+    that many units (or long_window's), and half of window (rounded down) for the short one."""
+    return tuple(attention_mask(tokens, units * unit, backend, first_query)
+                 for units in (long_window or window, window // 2))
 
 
 # Dense-mask attention runs this many queries at a time, each block against the keys up to its last
@@ -774,10 +776,10 @@ class GPT(nn.Module):
         for table in [self.embed, *self.value_embeds]:
             table.to(embed_dtype)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window: int) -> Tensor:
-        """input_seq, target_seq: (T,) tokens; window: the long window in window units. Training returns the
-        summed loss, eval the mean, computed EVAL_LOSS_CHUNK positions at a time."""
-        x = self.trunk(input_seq, window)
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None) -> Tensor:
+        """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
+        the long layers' alone). Training returns the summed loss, eval the mean, EVAL_LOSS_CHUNK positions at a time."""
+        x = self.trunk(input_seq, window, long_window=long_window)
         if self.training and not self.loss_chunk:
             logits = self.softcapped_logits(x)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
@@ -785,14 +787,16 @@ class GPT(nn.Module):
                                        self.loss_chunk if self.training else EVAL_LOSS_CHUNK)
         return loss if self.training else loss / target_seq.numel()
 
-    def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None) -> Tensor:
+    def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
+              long_window: int | None = None) -> Tensor:
         """The final residual stream (1, T, D) of tokens (T,) at a long window of window units. Generation's hooks
         (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block."""
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
         attn_lambdas = self.scalars[L // 2 + 2 * L:self.smear_index].view(L, 2)
-        long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit)
+        long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
+                                                         long_window=long_window)
         scale = self.attention_scales[window]
         ve = [table(tokens)[None] for table in self.value_embeds]
         x = self.embed(tokens)
@@ -1114,6 +1118,7 @@ class Hyperparameters:
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of training; short-window layers get half (rounded down)
     final_window: int = 13  # long window in window units for the final validation
+    final_long_window: int = 0  # the long layers' window there, after YaRN to final_window (records from 2025-09-21: 20); 0: final_window
     window_unit: int = 128  # tokens per window unit (the record: one 128-token block)
     yarn: bool = True  # rescale the rotary frequencies (YaRN) at each window change, as the record; false: keep them
     # model
@@ -1269,6 +1274,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if empty_first_block and args.num_layers < 4:
         raise ConfigError(f"num_layers={args.num_layers}: with block 0 empty (first_layer_attention and first_layer_mlp "
                           f"off) at least 4 layers, so that a skip connects them")
+    if args.final_long_window < 0:
+        raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
         raise ConfigError(f"window_stages={','.join(map(str, args.window_stages))}, final_window={args.final_window} and "
                           f"window_unit={args.window_unit} must be at least 1")
@@ -1549,12 +1556,14 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, step: int, val_sequences: Tensor) -> float:
-        """Mean loss per token over every validation sequence, split across ranks."""
+        """Mean loss per token over every validation sequence, split across ranks; the last validation's long layers
+        at final_long_window where set."""
+        long_window = (self.args.final_long_window or None) if step == self.args.num_iterations else None
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for seq in val_sequences[self.rank::self.world_size]:
             seq = seq.to(self.device, non_blocking=True)
-            total += self.compiled(seq[:-1].int(), seq[1:], self.window).double()
+            total += self.compiled(seq[:-1].int(), seq[1:], self.window, long_window).double()
         self.model.train()
         if self.world_size > 1:
             dist.all_reduce(total)

@@ -608,11 +608,12 @@ def test_the_records_structure_starts_as_the_record_does():
     assert any(p is model.smear_gate.weight for p in muon.param_groups[0]["params"])
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-def test_the_records_structure_computes_the_records_forward(window):
+@pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
+def test_the_records_structure_computes_the_records_forward(window, long_window):
     """The trunk against the record's forward written out (2025-10-24's listing): the smear of each token's raw
     embedding by its predecessor's, block 0 skipped, layers 1-5 pushed and popped by layers 10-6 through
-    sigmoid gates, none into layer 11, and the residual after block 8 times its lambda taken out at the end.
+    sigmoid gates, none into layer 11, the residual after block 8 times its lambda taken out at the end, and
+    the final validation's wider long window on layers 4 and 11 alone (the short ones keep half the window).
     The same operations in the same order: equal to the bit, with every weight and scalar random."""
     model = randomize_(records_structure_gpt())
     tokens, _ = documents()
@@ -624,7 +625,8 @@ def test_the_records_structure_computes_the_records_forward(window):
     x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
     ve = [table(tokens)[None] for table in model.value_embeds]
     ve = [None, ve[1], ve[2], None, None, None, None, None, None, ve[0], ve[1], ve[2]]
-    long_mask, short_mask = train_gpt.attention_masks(tokens, window, "sdpa")
+    long_mask = train_gpt.attention_mask(tokens, (long_window or window) * train_gpt.BLOCK_SIZE, "sdpa")
+    short_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa")
     skips = []
     for i in range(1, 12):
         if 6 <= i < 11:
@@ -636,7 +638,7 @@ def test_the_records_structure_computes_the_records_forward(window):
         if i == 8:
             x_backout = x
     expected = x - backout_lambda * x_backout
-    assert torch.equal(model.trunk(tokens, window), expected)
+    assert torch.equal(model.trunk(tokens, window, long_window=long_window), expected)
 
 
 def test_the_smear_by_hand():

@@ -65,6 +65,25 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     assert (trained != torch.tensor([0.0, 0.5])).all()  # the smear's and the backout's lambdas from their inits
 
 
+def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, monkeypatch):
+    """final_long_window reaches the model at the last validation alone, after YaRN to final_window: every other
+    forward, training or validation, passes none."""
+    calls = []
+    forward = train_gpt.GPT.forward
+
+    def recorded(self, input_seq, target_seq, window, long_window=None):
+        calls.append((self.training, window, long_window))
+        return forward(self, input_seq, target_seq, window, long_window)
+
+    monkeypatch.setattr(train_gpt.GPT, "forward", recorded)
+    run(tiny_shards, tmp_path, "--num_iterations=4", "--val_loss_every=2", "--window_stages=2,4", "--final_window=8",
+        "--final_long_window=16")
+    validations = [(window, long_window) for training, window, long_window in calls if not training]
+    sequences = 1024 // 128  # TINY_RUN's val_tokens over its val_seq_len
+    assert validations == [(2, None)] * sequences * 2 + [(8, 16)] * sequences  # steps 0 and 2 at stage 2, then 4
+    assert all(long_window is None for training, _, long_window in calls if training)
+
+
 def test_a_run_on_an_untested_torch_warns_once_and_trains(tiny_shards, tmp_path, monkeypatch, capsys):
     """Rented GPU machines bring their own torch and no registry: a run on a release the suite has not passed on
     trains as usual after one warning line, on the console and in the log's header."""
