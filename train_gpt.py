@@ -444,15 +444,16 @@ YARN_ALPHA, YARN_BETA = 1, 32  # YaRN's defaults (the record's): rotations over 
 
 class Rotary(nn.Module):
     """Rotary embedding on half of each head's dims, one table for every layer. freqs is a float32 CPU tensor, not a
-    buffer: the tables are made on the CPU and copied, so every device holds the same values."""
+    buffer: the tables are made on the CPU and copied, so every device holds the same values. The tables are stored
+    in dtype, rounded from float32, and q and k rotate in it (float32: upcast and cast back, as in the record)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int, window_unit: int = BLOCK_SIZE):
+    def __init__(self, head_dim: int, max_seq_len: int, window_unit: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.window_unit = window_unit  # tokens per unit of the windows rescale() is given
         freqs = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
         self.freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
-        self.cos = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
-        self.sin = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.cos = nn.Buffer(torch.empty(max_seq_len, head_dim // 2, dtype=dtype), persistent=False)
+        self.sin = nn.Buffer(torch.empty(max_seq_len, head_dim // 2, dtype=dtype), persistent=False)
         self._fill_tables()
 
     def _fill_tables(self):
@@ -472,8 +473,8 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, start: int = 0) -> Tensor:  # (B, T, H, D) at positions start, start + 1, ...
         cos = self.cos[None, start:start + x.size(-3), None, :]
         sin = self.sin[None, start:start + x.size(-3), None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+        x1, x2 = x.to(self.cos.dtype).chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), dim=-1).type_as(x)
 
 
 def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int = 0):
@@ -724,8 +725,8 @@ class GPT(nn.Module):
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
                  value_embed_gates: bool = False, attn_gates: bool = False, first_layer_mlp: bool = False,
                  first_layer_attention: bool = True, smear: bool = False, skip_gates: bool = False,
-                 backout_layer: int = -1, windows=(3, 7, 11, 13), window_unit: int = BLOCK_SIZE,
-                 attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
+                 backout_layer: int = -1, rotary_dtype: torch.dtype = torch.float32, windows=(3, 7, 11, 13),
+                 window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
             raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
@@ -767,7 +768,7 @@ class GPT(nn.Module):
         if 0 <= backout_layer < self.first_layer:
             raise ValueError(f"backout_layer={backout_layer} is the empty first block, which is skipped")
         self.window_unit = window_unit
-        self.rotary = Rotary(head_dim, max_seq_len, window_unit)
+        self.rotary = Rotary(head_dim, max_seq_len, window_unit, rotary_dtype)
         self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
         self.lm_head = CastedLinear(model_dim, padded_vocab,
                                     lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
@@ -1135,6 +1136,7 @@ class Hyperparameters:
     smear: bool = False  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
     skip_gates: bool = False  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
     backout_layer: int = -1  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04: 8); -1: none
+    rotary_in_run_dtype: bool = False  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
     attention_scale: float = 0.1  # softmax scale in the first window stage
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
@@ -1398,6 +1400,7 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                attn_gates=args.attn_gates, first_layer_mlp=args.first_layer_mlp,
                first_layer_attention=args.first_layer_attention, smear=args.smear, skip_gates=args.skip_gates,
                backout_layer=args.backout_layer,
+               rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 

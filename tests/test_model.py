@@ -311,6 +311,33 @@ def test_yarn_rescale_follows_the_formula_and_rebuilds_the_tables():
     assert (train_gpt.Rotary(128, max_seq_len=1024).cos - rotary.cos).abs().max() > 0.5
 
 
+def test_rotary_in_bf16_computes_what_the_records_from_2025_09_11_do():
+    """rotary_in_run_dtype: the records' Yarn.reset, apply (YaRN 3 -> 7) and rotary() written out: tables made in
+    float32 and rounded to bf16, q and k rotated in bf16 without an upcast. The same operations: equal to the bit.
+    build_model gives a bf16 run bf16 tables only when asked."""
+    head_dim, positions = 64, 512
+    rotary = train_gpt.Rotary(head_dim, positions, dtype=torch.bfloat16)
+    x = torch.randn(1, positions, 2, head_dim).bfloat16()
+    freqs = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
+    freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
+    for change in (None, (3, 7)):
+        if change:
+            rotary.rescale(*change)
+            rotations = train_gpt.BLOCK_SIZE * 3 * freqs / (2 * torch.pi)
+            freqs *= 3 / 7 + torch.clamp((rotations - 1) / (32 - 1), 0, 1) * (1 - 3 / 7)
+        theta = torch.outer(torch.arange(positions, dtype=torch.float32), freqs)
+        cos, sin = theta.cos().to(torch.bfloat16), theta.sin().to(torch.bfloat16)
+        assert torch.equal(rotary.cos, cos) and torch.equal(rotary.sin, sin)
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        assert torch.equal(rotary(x), torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), 3))
+    args = train_gpt.Hyperparameters(num_layers=2, num_heads=1, head_dim=32, model_dim=32, vocab_size=256)
+    plan = train_gpt.plan_device(args, torch.device("cpu"))
+    for asked, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        built = train_gpt.build_model(dataclasses.replace(args, rotary_in_run_dtype=asked), 256, plan)
+        assert plan.dtype == "bfloat16" and built.rotary.cos.dtype == built.rotary.sin.dtype == dtype
+
+
 def test_rotary_without_rescale_keeps_the_base_frequencies():
     """A model's rotary starts at the base frequencies, and a window that does not change leaves them
     (and the tables) as they were, bit for bit."""

@@ -54,11 +54,14 @@ def test_a_few_steps_learn(tiny_shards, tmp_path):
 def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny_shards, tmp_path):
     """A run with the later records' structure (block 0 empty, the smear, sigmoid skip gates, the backout): the
     smear gate trains with Muon and the two new scalars with Adam, the loss falls as in a few steps above, and
-    tools/sample.py loads its checkpoint into the same structure with the trained values."""
+    tools/sample.py loads its checkpoint into the same structure with the trained values, its rotary tables in the
+    dtype it runs in."""
     result = run(tiny_shards, tmp_path, *RECORDS_STRUCTURE, "--num_iterations=8", "--val_loss_every=8",
-                 "--save_checkpoint")
+                 "--save_checkpoint", "--rotary_in_run_dtype=true")
     assert result["val_losses"][8] < result["val_losses"][0] - 1.0
     model, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"))
+    in_bf16, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"), dtype="bfloat16")
+    assert model.rotary.cos.dtype == torch.float32 and in_bf16.rotary.cos.dtype == torch.bfloat16  # the run's dtype
     assert model.first_layer == 1 and model.skip_gates and model.backout_layer == 2
     assert model.smear_gate.weight.any()  # moved from its zero init
     trained = model.scalars[[model.smear_index, model.backout_index]].detach()
