@@ -549,6 +549,8 @@ def attention_scales(windows, first_scale: float, growth: float) -> dict[int, fl
 
 
 GATE_INPUTS = 12  # residual-stream dims the attention and value-embedding gates read
+SKIP_GATE_INIT = -1.5  # the records' sigmoid skip gates start at sigmoid(-1.5), about a fifth of a skip
+BACKOUT_LAMBDA_INIT = 0.5  # the records' backout starts by taking out half of the residual after its layer
 
 
 class CausalSelfAttention(nn.Module):
@@ -750,13 +752,13 @@ class GPT(nn.Module):
         # value embedding) lambdas, then the smear's lambda and the backout's where those are on.
         self.skip_gates, self.backout_layer = skip_gates, backout_layer
         self.smear_index = num_layers // 2 + 4 * num_layers
-        self.backout_index = self.smear_index + smear
+        self.backout_index = self.smear_index + int(smear)
         self.scalars = nn.Parameter(torch.cat([
-            torch.full((num_layers // 2,), -1.5 if skip_gates else 1.0),
+            torch.full((num_layers // 2,), SKIP_GATE_INIT if skip_gates else 1.0),
             torch.tensor([1.0, 0.0]).repeat(num_layers),
             torch.tensor([0.5, 0.5]).repeat(num_layers),
             torch.zeros(int(smear)),
-            torch.full((int(backout_layer >= 0),), 0.5),
+            torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
         ]))
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention and (i > 0 or first_layer_attention),
                                           i > 0 or first_layer_mlp, attn_gates,
@@ -807,8 +809,8 @@ class GPT(nn.Module):
         skips, backout = [], None
         for i in range(self.first_layer, L):
             if L // 2 <= i < L - self.first_layer:
-                skip = skips.pop()
-                x = x + (torch.sigmoid(skip_weights[i - L // 2]) if self.skip_gates else skip_weights[i - L // 2]) * skip
+                weight = skip_weights[i - L // 2]
+                x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop()
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
                                self.rotary, scale, None if cache is None else cache.layers[i])

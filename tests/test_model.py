@@ -606,12 +606,12 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
         assert torch.equal(captured, eager), name
 
 
-def records_structure_gpt(seed=0):
-    """12 layers with the records' structure from 2025-10-04 on: block 0 empty, the smear, sigmoid skip gates and
-    the backout after block 8."""
+def records_structure_gpt(num_layers=12, backout_layer=8, windows=WINDOWS, seed=0):
+    """The records' structure from 2025-10-04 on, at width 32: block 0 empty, the smear, sigmoid skip gates and the
+    backout (after block 8 of 12 in the records)."""
     torch.manual_seed(seed)
-    return train_gpt.GPT(VOCAB, 12, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=WINDOWS,
-                         first_layer_attention=False, smear=True, skip_gates=True, backout_layer=8)
+    return train_gpt.GPT(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=windows,
+                         first_layer_attention=False, smear=True, skip_gates=True, backout_layer=backout_layer)
 
 
 def test_the_records_structure_starts_as_the_record_does():

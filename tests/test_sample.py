@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT
-from test_model import randomize_
+from test_model import randomize_, records_structure_gpt
 
 import shards
 import train_gpt
@@ -219,10 +219,7 @@ def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomi
 def randomized_records_structure_gpt():
     """randomized_gpt with the later records' structure: block 0 empty, the smear (whose first new token reads the
     cached one before it), sigmoid skip gates and the backout after block 2."""
-    torch.manual_seed(0)
-    model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512, windows=(1, 2, 3),
-                          first_layer_attention=False, smear=True, skip_gates=True, backout_layer=2)
-    return randomize_(model, seed=0).eval()
+    return randomize_(records_structure_gpt(num_layers=4, backout_layer=2, windows=(1, 2, 3)), seed=0).eval()
 
 
 @pytest.mark.parametrize("structure", ["randomized_gpt", "randomized_records_structure_gpt"])

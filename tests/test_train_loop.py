@@ -499,8 +499,8 @@ def test_overrides_and_flags_parse():
     assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 12 and args.window_stages == (2, 5)
 
 
-RECORDS_STRUCTURE = ["--num_layers=4", "--first_layer_mlp=false", "--first_layer_attention=false", "--smear=true",
-                     "--skip_gates=true", "--backout_layer=2"]
+EMPTY_FIRST_BLOCK = ["--first_layer_mlp=false", "--first_layer_attention=false"]
+RECORDS_STRUCTURE = ["--num_layers=4", *EMPTY_FIRST_BLOCK, "--smear=true", "--skip_gates=true", "--backout_layer=2"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -521,9 +521,9 @@ RECORDS_STRUCTURE = ["--num_layers=4", "--first_layer_mlp=false", "--first_layer
     (["--extension_steps=10"], "extension_steps=10 must be within [0, num_iterations=10)"),
     (["--muon_momentum_cooldown_steps=-1"], "muon_momentum_cooldown_steps=-1 must be within [0, num_iterations=10)"),
     (["--backout_layer=2"], "backout_layer=2 must be a layer below num_layers=2 other than an empty block 0"),
-    (["--num_layers=4", *RECORDS_STRUCTURE[1:4], "--backout_layer=0"], "backout_layer=0 must be a layer below"),
-    (RECORDS_STRUCTURE[1:3], "num_layers=2: with block 0 empty (first_layer_attention and first_layer_mlp off) at "
-                             "least 4 layers"),
+    (["--num_layers=4", *EMPTY_FIRST_BLOCK, "--backout_layer=0"], "backout_layer=0 must be a layer below"),
+    (EMPTY_FIRST_BLOCK, "num_layers=2: with block 0 empty (first_layer_attention and first_layer_mlp off) at "
+                        "least 4 layers"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
     with pytest.raises(train_gpt.ConfigError, match=re.escape(message)):

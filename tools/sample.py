@@ -124,10 +124,11 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
                                     f"({len(differences)} differ, first {differences[0]}); the file was altered "
                                     f"or made by another version of train_gpt.py")
     model.load_state_dict(state["model"])
+    run_dtype = train_gpt.DTYPES[dtype or args.dtype]
     if args.rotary_in_run_dtype:  # the tables in the dtype the model runs in, as training held them
-        model.rotary.to(train_gpt.DTYPES[dtype or args.dtype])
+        model.rotary.to(run_dtype)
     window = train_gpt.replay_windows(model, state["step"], args)
-    model = in_dtype(model, train_gpt.DTYPES[dtype or args.dtype])
+    model = in_dtype(model, run_dtype)
     return generation_layout(model.to(device).eval()), window
 
 
