@@ -102,6 +102,20 @@ def parse_options(argv: list[str], hyperparameters: type, presets: dict, default
     return args, preset
 
 
+def split_tool_options(argv: list[str], own: dict[str, int]) -> tuple[dict[str, int], list[str]]:
+    """A tool's own positive-integer options (own: their defaults) apart from the rest, train_gpt's overrides."""
+    own, rest = dict(own), []
+    for arg in argv:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and key in own:
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--{key}={value}: expected a positive integer")
+            own[key] = int(value)
+        else:
+            rest.append(arg)
+    return own, rest
+
+
 def usage(doc: str, hyperparameters: type, presets: dict) -> str:
     """--help: the script's docstring, the presets, and every hyperparameter with its default and comment."""
     lines = [doc.strip(), "", f"presets: {', '.join(presets)} (default: record with CUDA, cpu without; train_gpt.main)",

@@ -75,3 +75,54 @@ def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(m
     with pytest.raises(AssertionError, match=r"^torch 2\.12\.0\+cu130 is not a release this project is tested on "
                                              r"\(2\.11\.0, 2\.13\.0\); .* ./run.sh test --torch=2\.12\.0 runs the suite on it$"):
         gpu_check.check_environment(torch.device("cpu"))
+
+
+BENCH_RUN = ["--preset=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+             "--batch_slots=2", "--compile=false", "--dtype=float32", "--vocab_size=50304", "--packed_doc_len=128",
+             "--num_iterations=6", "--window_stages=1,2", "--steps=1"]
+
+
+def test_the_synthetic_shard_holds_documents_that_begin_with_end_of_text(tmp_path):
+    gpu_check.write_synthetic_shard(tmp_path / "s.bin", 200_000)
+    tokens = train_gpt.load_shard(tmp_path / "s.bin", 50304).long()
+    starts = (tokens == train_gpt.EOT_TOKEN).nonzero().flatten()
+    assert len(tokens) == 200_000 and starts[0] == 0 and int(tokens.max()) == train_gpt.EOT_TOKEN
+    # geometric lengths: the mean of n draws lies within 5 standard errors (std ~ the mean) of BENCH_DOC_TOKENS
+    lengths = starts.diff().double()
+    assert abs(float(lengths.mean()) - gpu_check.BENCH_DOC_TOKENS) < 5 * gpu_check.BENCH_DOC_TOKENS / len(lengths) ** 0.5
+
+
+def test_the_bench_report_projects_the_run_from_each_stage(monkeypatch):
+    """Hand-computed: 6 steps over stages (1, 2) give 4 and 2 steps (window_at's equal parts of 7); at 100 and 200 ms
+    a step, 0.8 s; 8 slots on 2 processes are 4 micro-steps each, 1 on 8 GPUs: a quarter, 0.2 s."""
+    monkeypatch.setattr(gpu_check.run_support, "matmul_peak", lambda device, dtype: (1e9, "a test peak"))
+    args, preset = train_gpt.parse_args(["--preset=cpu", "--num_iterations=6", "--window_stages=1,2", "--batch_slots=8",
+                                         "--seq_len=256", "--window_unit=32"], "cpu")
+    assert {w: len(s) for w, s in gpu_check.stage_steps(args).items()} == {1: 4, 2: 2}
+    result = dict(stages=[(1, 100.0, 1e3), (2, 200.0, 2e3)], peak_memory="peak memory (RSS): 1 MiB", dtype="float32",
+                  compile=False, micro_steps=4)
+    lines = gpu_check.bench_report(args, preset, result, 2, torch.device("cpu")).splitlines()
+    # 8 x 256 tokens in 0.1 s: 20,480 tokens/s; x 1e3 FLOPs per token over 2 processes' 1e9: 1.024%
+    assert lines[1] == "window 1 (32 tokens), 4 steps: 100.0 ms/step, 20,480 tokens/s, MFU 1.0%"
+    assert lines[2] == "window 2 (64 tokens), 2 steps: 200.0 ms/step, 10,240 tokens/s, MFU 1.0%"
+    assert lines[4].startswith("projected training time of 6 steps: 0.8 s here, 0.2 s on 8 such GPUs (assumed: ")
+
+
+def test_the_bench_runs_real_steps_on_two_processes(capsys):
+    """The worker path: 2 gloo processes, a micro-step each, every stage timed."""
+    report = gpu_check.bench_main([*BENCH_RUN, "--processes=2"]).splitlines()
+    assert report[0].startswith("bench: preset cpu, 2 layers x 64, 2 x 256 tokens a step; 2 process(es) on cpu (CPU), "
+                                "1 micro-step(s) each; dtype float32, compile False; torch ")
+    assert [line.split(":")[0] for line in report[1:3]] == ["window 1 (32 tokens), 4 steps", "window 2 (64 tokens), 2 steps"]
+    ms = [float(line.split(": ")[1].split(" ms/step")[0]) for line in report[1:3]]
+    projected = float(report[4].split(": ")[1].split(" s here")[0])
+    assert min(ms) > 0 and abs(projected - (4 * ms[0] + 2 * ms[1]) / 1000) <= 0.05 + 6 * 0.05 / 1000  # printed roundings
+    assert "on 8 such GPUs" not in report[4]  # 2 slots cannot be split over 8
+
+
+def test_the_bench_refuses_a_vocabulary_without_end_of_text():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--bench", *BENCH_RUN, "--vocab_size=1000"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("error: vocab_size=1000: --bench needs the GPT-2 vocabulary (above the end-of-text id 50256 "
+                           "that starts its synthetic documents)\n")

@@ -27,4 +27,4 @@ def test_it_profiles_real_training_steps():
 @pytest.mark.parametrize("arg", ["--top=0", "--steps=x"])
 def test_its_own_options_are_checked(arg):
     with pytest.raises(train_gpt.ConfigError, match="expected a positive integer"):
-        profile_step.split_options([arg])
+        train_gpt.support.split_tool_options([arg], dict(top=25, steps=2))

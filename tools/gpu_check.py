@@ -1,5 +1,5 @@
 """Check a GPU machine before spending money on record attempts: the pieces the record relies on, each
-against an independent reference, with numbers. Finishes in under 3 minutes.
+against an independent reference, with numbers, in a few minutes.
 
     python tools/gpu_check.py
 
@@ -14,6 +14,14 @@ Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any
   all-reduce         train_gpt's bucketed all-reduce across processes against the average computed in one
                      (NCCL over every GPU; gloo over 2 CPU processes without CUDA)
 Without CUDA the checks that can run on CPU run at small sizes; the rest are SKIP.
+
+    python tools/gpu_check.py --bench [--steps=5] [--processes=N] [--key=value ...]
+
+--bench times the record preset's training step (the cpu preset's without CUDA; --key=value overrides
+either) as a run on this machine computes it: one process per GPU, each running its share of the step's
+micro-steps, on packed synthetic documents read through the training loader, compiled, at each window
+stage after untimed steps. It prints ms per step, tokens/s, MFU and peak memory per stage, and the
+projected training time of the whole run here and on 8 such GPUs.
 """
 
 import argparse
@@ -25,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +41,7 @@ PUBLISHED_RECORD = ("2025-09-10 record (Yarn) computes: val 3.2785 at step 1670 
                     "training on 8xH100 in its published log, unmeasured by us")
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -40,9 +50,15 @@ from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported  # noqa: E4
 import run_support  # noqa: E402
 import train_gpt  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "data"))
+import shards  # noqa: E402
+
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
 ATTENTION_TOLERANCE = 2e-2  # bf16 rounding on CUDA; float32 on CPU agrees far more closely
 CHECK_SEQ_LEN = 8 * 1024  # tokens per training step in the training check: compiles and runs in well under a minute
+BENCH_UNTIMED_STEPS = 2  # per window stage before timing: the first compiles the stage's graphs
+BENCH_DOC_TOKENS = 670  # mean synthetic document: FineWeb's sample-10BT holds about 10B GPT-2 tokens in 15M documents
+RECORD_GPUS = 8
 
 
 class Skip(Exception):
@@ -201,7 +217,7 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
             f"{losses[0]:.2f} -> {losses[-1]:.2f}; {step_ms:.1f} ms/step, {tokens_per_second:,.0f} tokens/s, {mfu}")
 
 
-def allreduce_worker(out_path: str, backend: str):
+def allreduce_worker(backend: str, out_path: str):
     """One rank (under torchrun): gradients seeded by rank through GradientBuckets' hooks, compared with
     the average of every rank's gradients computed here; rank 0 writes the figures."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -240,6 +256,20 @@ def allreduce_worker(out_path: str, backend: str):
     dist.destroy_process_group()
 
 
+def run_workers(nproc: int, worker_argv: list[str], timeout: float) -> dict:
+    """This script under torchrun in nproc processes, its arguments worker_argv with the path of the JSON that
+    rank 0 writes appended; returns what rank 0 wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                               str(Path(__file__).resolve()), *worker_argv, str(out)],
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0 or not out.exists():
+            errors = [line for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line] or ["no error message"]
+            raise AssertionError(f"{nproc} processes failed (exit {proc.returncode}): {errors[-1].strip()}")
+        return json.loads(out.read_text())
+
+
 def check_allreduce(device: torch.device, timeout: float = 120) -> str:
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
@@ -247,19 +277,122 @@ def check_allreduce(device: torch.device, timeout: float = 120) -> str:
         backend, nproc = "nccl", torch.cuda.device_count()
     else:
         backend, nproc = "gloo", 2
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "allreduce.json"
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                               str(Path(__file__).resolve()), "--allreduce-worker", str(out), backend],
-                              capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode != 0 or not out.exists():
-            errors = [line for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line] or ["no error message"]
-            raise AssertionError(f"{nproc} processes failed (exit {proc.returncode}): {errors[-1].strip()}")
-        r = json.loads(out.read_text())
+    r = run_workers(nproc, ["--allreduce-worker", backend], timeout)
     if r["error"] > 1e-5:
         raise AssertionError(f"max difference {r['error']:.1e} from the average computed in one process")
     return (f"{backend}, {r['world_size']} processes, {r['megabytes']:.0f} MB in {r['buckets']} buckets: max difference "
             f"{r['error']:.1e} from the single-process average; {r['ms']:.1f} ms backward + all-reduce")
+
+
+def write_synthetic_shard(path: Path, num_tokens: int, seed: int = 4):
+    """Random GPT-2 token ids in documents of geometric length (mean BENCH_DOC_TOKENS), each beginning with the
+    end-of-text token, as the training shards' documents do."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, train_gpt.EOT_TOKEN, num_tokens)
+    starts = np.cumsum(rng.geometric(1 / BENCH_DOC_TOKENS, 2 * num_tokens // BENCH_DOC_TOKENS + 1))
+    tokens[0] = train_gpt.EOT_TOKEN
+    tokens[starts[starts < num_tokens]] = train_gpt.EOT_TOKEN
+    shards.write_shard(path, tokens)
+
+
+def stage_steps(args: train_gpt.Hyperparameters) -> dict[int, list[int]]:
+    """Each window stage's training steps, in the order the run reaches them."""
+    steps = {}
+    for step in range(args.num_iterations):
+        steps.setdefault(train_gpt.window_at(step, args), []).append(step)
+    return steps
+
+
+def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, rank: int, world_size: int,
+                 device: torch.device) -> dict:
+    """This rank's share of real training steps, at the first steps of each window stage: ms per step over `steps`
+    after BENCH_UNTIMED_STEPS, and the peak memory."""
+    plan = train_gpt.plan_device(args, device)
+    trainer = train_gpt.Trainer(args, rank, world_size, plan)
+    stream = train_gpt.TokenStream(train_files, args.seq_len, args.batch_slots, device, args.vocab_size,
+                                   plan.pinned_memory, args.packed_doc_len)
+    barrier = dist.barrier if world_size > 1 else (lambda: None)
+    step_ms = {}
+    for window, run_steps in stage_steps(args).items():
+        start = time.perf_counter()
+        for i in range(BENCH_UNTIMED_STEPS + steps):
+            if i == BENCH_UNTIMED_STEPS:
+                trainer.synchronize()
+                barrier()
+                t0 = time.perf_counter()
+            step = run_steps[min(i, len(run_steps) - 1)]  # the schedules of the stage's steps; the window of all
+            trainer.move_window(step)
+            trainer.train_step(step, stream.next_batch(rank, world_size))
+        trainer.synchronize()
+        step_ms[window] = 1000 * (time.perf_counter() - t0) / steps
+        if rank == 0:  # progress, with the time of the untimed steps, which compile
+            print(f"window {window}: {BENCH_UNTIMED_STEPS} untimed steps in {t0 - start:.1f} s, then "
+                  f"{step_ms[window]:.1f} ms/step", file=sys.stderr, flush=True)
+    trainer.stop_if_nonfinite()
+    stages = [(w, ms, run_support.flops_per_token(trainer.model, dataclasses.replace(args, window_stages=(w,))))
+              for w, ms in step_ms.items()]
+    return dict(stages=stages, peak_memory=run_support.peak_memory_line(device), dtype=plan.dtype, compile=plan.compile,
+                micro_steps=trainer.grad_accum_steps)
+
+
+def bench_worker(overrides: str, train_files: str, steps: str, out_path: str):
+    """One rank of --bench under torchrun; rank 0 writes the figures."""
+    rank, world_size, device = train_gpt.setup_distributed()
+    args, _ = train_gpt.parse_args(json.loads(overrides), "record" if device.type == "cuda" else "cpu")
+    result = bench_stages(args, train_files, int(steps), rank, world_size, device)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def bench_report(args: train_gpt.Hyperparameters, preset: str, result: dict, processes: int, device: torch.device) -> str:
+    """The figures of bench_stages, and the whole run's training time projected from them."""
+    dtype = train_gpt.DTYPES[result["dtype"]]
+    peak, peak_source = run_support.matmul_peak(device, dtype)
+    tokens_per_step = args.batch_slots * args.seq_len
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"bench: preset {preset}, {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} "
+             f"tokens a step; {processes} process(es) on {device.type} ({name}), {result['micro_steps']} micro-step(s) "
+             f"each; dtype {result['dtype']}, compile {result['compile']}; {run_support.torch_description()}"]
+    projected_ms = 0.0
+    for (window, ms, flops), run_steps in zip(result["stages"], stage_steps(args).values()):
+        projected_ms += len(run_steps) * ms
+        tokens_per_second = tokens_per_step / (ms / 1000)
+        lines.append(f"window {window} ({window * args.window_unit} tokens), {len(run_steps)} steps: {ms:.1f} ms/step, "
+                     f"{tokens_per_second:,.0f} tokens/s, MFU {100 * flops * tokens_per_second / (peak * processes):.1f}%")
+    lines.append(f"MFU against {peak_source} per process; rank 0's {result['peak_memory']}")
+    projection = f"projected training time of {args.num_iterations} steps: {projected_ms / 1000:.1f} s here"
+    if args.batch_slots % RECORD_GPUS == 0:
+        projection += (f", {projected_ms * processes / RECORD_GPUS / 1000:.1f} s on {RECORD_GPUS} such GPUs (assumed: "
+                       f"step time in proportion to the micro-steps per GPU; communication unmeasured)")
+    lines.append(projection + "; validation and compilation excluded, as in the speedrun's train_time")
+    return "\n".join(lines)
+
+
+def bench_main(argv: list[str]) -> str:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    own, rest = run_support.split_tool_options(argv, dict(steps=5, processes=max(1, torch.cuda.device_count())))
+    args, preset = train_gpt.parse_args(rest, "record" if device.type == "cuda" else "cpu")
+    train_gpt.check_hyperparameters(args, own["processes"])
+    if args.vocab_size <= train_gpt.EOT_TOKEN:
+        raise train_gpt.ConfigError(f"vocab_size={args.vocab_size}: --bench needs the GPT-2 vocabulary (above the "
+                                    f"end-of-text id {train_gpt.EOT_TOKEN} that starts its synthetic documents)")
+    if device.type == "cuda" and own["processes"] > torch.cuda.device_count():
+        raise train_gpt.ConfigError(f"--processes={own['processes']}: this machine has {torch.cuda.device_count()} GPU(s)")
+    untested = run_support.untested_torch_message()
+    if untested:
+        print(f"warning: {untested}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = Path(tmp) / "synthetic_train_000000.bin"
+        write_synthetic_shard(shard, 4 * args.batch_slots * (args.seq_len + 1))
+        if own["processes"] == 1:
+            result = bench_stages(args, str(shard), own["steps"], 0, 1, device)
+        else:
+            result = run_workers(own["processes"], ["--bench-worker", json.dumps(rest), str(shard), str(own["steps"])],
+                                 timeout=3600)
+    report = bench_report(args, preset, result, own["processes"], device)
+    print(report, flush=True)
+    return report
 
 
 def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
@@ -297,8 +430,16 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--allreduce-worker"]:
         return allreduce_worker(*argv[1:])
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    if argv[:1] == ["--bench-worker"]:
+        return bench_worker(*argv[1:])
     train_gpt.configure_cuda_allocator()  # as the training script does, before CUDA initializes
+    if "--bench" in argv:
+        try:
+            return bench_main([arg for arg in argv if arg != "--bench"])
+        except (train_gpt.ConfigError, train_gpt.DataError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     print(f"The record preset computes what the {PUBLISHED_RECORD}.")
     print(f"{'check':<16} {'result':<5} figures")

@@ -24,23 +24,9 @@ import run_support  # noqa: E402
 import train_gpt  # noqa: E402
 
 
-def split_options(argv: list[str]) -> tuple[dict, list[str]]:
-    """(this tool's options, the rest for train_gpt.parse_args)."""
-    own, rest = dict(top=25, steps=2), []
-    for arg in argv:
-        key, _, value = arg.removeprefix("--").partition("=")
-        if key in own:
-            if not value.isdigit() or int(value) < 1:
-                raise train_gpt.ConfigError(f"--{key}={value}: expected a positive integer")
-            own[key] = int(value)
-        else:
-            rest.append(arg)
-    return own, rest
-
-
 def main(argv=None) -> str:
     argv = sys.argv[1:] if argv is None else argv
-    own, rest = split_options(argv)
+    own, rest = run_support.split_tool_options(argv, dict(top=25, steps=2))
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     args, preset = train_gpt.parse_args(rest, "record" if device.type == "cuda" else "cpu")
     train_gpt.check_hyperparameters(args, 1)
