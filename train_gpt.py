@@ -115,9 +115,10 @@ def lm_head_fp8_scales(model_dim: int, grad_scale: str = "record") -> tuple[floa
     return x_scale, LM_HEAD_WEIGHT_SCALE, grad_bound / E5M2_MAX
 
 
-def softcap(z: Tensor) -> Tensor:
-    """float32 logits in (0, LOGIT_SOFTCAP) from the lm_head's output z."""
-    return LOGIT_SOFTCAP * torch.sigmoid(z.float() / LOGIT_SOFTCAP_SPREAD)
+def softcap(z: Tensor, in_z_dtype: bool = False) -> Tensor:
+    """Logits in (0, LOGIT_SOFTCAP) from the lm_head's output z: in float32, or rounded to z's dtype (bf16) after each
+    operation, as the records from 2025-09-27 compute the training loss."""
+    return LOGIT_SOFTCAP * torch.sigmoid((z if in_z_dtype else z.float()) / LOGIT_SOFTCAP_SPREAD)
 
 
 def _fp8_forward(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -254,7 +255,7 @@ def deal_by_cost(costs: list[int], world_size: int) -> list[list[int]]:
     return dealt
 
 
-NORMUON_EPS = 1e-10  # keeps NorMuon's divisions finite for an all-zero row or update, and is negligible otherwise
+NORMUON_EPS = 1e-10  # the floor of NorMuon's divisors (the record's clamp_min): finite for an all-zero neuron or update
 
 
 class Muon(torch.optim.Optimizer):
@@ -277,7 +278,6 @@ class Muon(torch.optim.Optimizer):
         self.flops_per_rank = [sum(costs[i] for i in indices) for indices in dealt]  # the log reports the balance
         self.rounds = [[mine[r] if r < len(mine) else None for mine in self.dealt]
                        for r in range(max(map(len, self.dealt)))]
-        self.update_dtype = torch.float32 if neuron_beta2 else dtype  # what the all-gather carries
 
     @torch.no_grad()
     def step(self):
@@ -292,7 +292,7 @@ class Muon(torch.optim.Optimizer):
         for round_params in self.rounds:
             size = max(p.numel() for p in round_params if p is not None)
             local = round_params[self.rank]
-            out = torch.zeros(size, dtype=self.update_dtype, device=group["params"][0].device)
+            out = torch.zeros(size, dtype=self.dtype, device=group["params"][0].device)
             if local is not None:
                 buf = self.state[local]["momentum_buffer"]
                 update = self.orthogonalize(local.grad.lerp(buf, momentum) if nesterov else buf, self.method, self.dtype)
@@ -322,18 +322,20 @@ class Muon(torch.optim.Optimizer):
                 p.add_(update.to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
 
     def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
-        """NorMuon (Li et al., 2025): divide the update by an EMA of its mean square per neuron (per row
-        of a tall or square matrix, per column of a wide one), then rescale it to its original norm."""
-        update = update.float()
-        per_row = p.size(-2) >= p.size(-1)
-        mean_square = update.square().mean(dim=-1 if per_row else -2, keepdim=True)
+        """NorMuon (Li et al., 2025) as the 2025-10-24 record computes it, in place in the update's dtype: divide by the
+        root of an EMA of its mean square per neuron (per column of a wide matrix, per row otherwise), then scale
+        back to the update's Frobenius norm. A (k, m, n) stack is the record's (m, k n) matrix (q, k, v, o side by
+        side), whose columns pool the four."""
+        matrix = update.reshape(update.size(-2), -1)  # a view, unless orthogonalize returned a transpose
+        norm_before = matrix.norm(dim=(-2, -1), keepdim=True)
+        mean_square = (matrix * matrix).mean(dim=-1 if matrix.size(0) >= matrix.size(1) else -2, keepdim=True)
         state = self.state[p]
         if "neuron_second_moment" not in state:
-            state["neuron_second_moment"] = torch.zeros_like(mean_square)
-        second_moment = state["neuron_second_moment"].lerp_(mean_square, 1 - self.neuron_beta2)
-        normalized = update / (second_moment.sqrt() + NORMUON_EPS)
-        update_norm = update.norm(dim=(-2, -1), keepdim=True)
-        return normalized * (update_norm / (normalized.norm(dim=(-2, -1), keepdim=True) + NORMUON_EPS))
+            state["neuron_second_moment"] = torch.zeros_like(mean_square, dtype=torch.float32)
+        second_moment = state["neuron_second_moment"].lerp_(mean_square.float(), 1 - self.neuron_beta2)
+        matrix.mul_(1 / second_moment.sqrt().clamp_min(NORMUON_EPS))
+        matrix.mul_(norm_before / matrix.norm(dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS))
+        return matrix.view(update.shape)
 
     def state_dict(self) -> dict:
         """Every matrix's state, gathered from its owner: a collective, which every rank calls. Off the
@@ -367,12 +369,14 @@ def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, st
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam without weight decay, each group with its own lr, states in the parameter's dtype. Compiled on CUDA, as in
-    the record: its bf16 states are then rounded once per update, not once per operation."""
+    """Adam without weight decay, each group with its own lr, states in state_dtype (None: the parameter's). Compiled on
+    CUDA, as in the record: its bf16 states are then rounded once per update, not once per operation."""
 
-    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False):
+    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False,
+                 state_dtype: torch.dtype | None = None):
         super().__init__(param_groups, dict(betas=betas, eps=eps))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
+        self.state_dtype = state_dtype
 
     @torch.no_grad()
     def step(self):
@@ -384,7 +388,8 @@ class Adam(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state.update(step=torch.zeros((), dtype=torch.int64, device=p.device),
-                                 exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                                 exp_avg=torch.zeros_like(p, dtype=self.state_dtype),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=self.state_dtype))
                 state["step"] += 1
                 # A device tensor, made outside the compiled update: a Python float lr there would recompile
                 # it at every new lr. The bias corrections are float32, from the int64 step, as in the record.
@@ -673,7 +678,7 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     logits: each chunk's gradients are made in the forward while its logits are at hand; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False) -> Tensor:
         scale = 1 / LOGIT_SOFTCAP_SPREAD
         c = LOGIT_SOFTCAP * scale  # d logits/d z = c * s * (1 - s)
         need_grads = any(ctx.needs_input_grad[:2])
@@ -683,7 +688,10 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         for start in range(0, xn.size(0), chunk):
             rows, t = xn[start:start + chunk], targets[start:start + chunk]
             target_cols = t[:, None]  # each row's target, as a gather index
-            s = (rows @ w.T).float().mul_(scale).sigmoid_()
+            if softcap_in_xn_dtype:  # sigmoid(z / spread) as the bf16 softcap rounds it (its gradient is not this one's)
+                s = softcap(rows @ w.T, in_z_dtype=True).float().div_(LOGIT_SOFTCAP)
+            else:
+                s = (rows @ w.T).float().mul_(scale).sigmoid_()
             # Logits in (0, LOGIT_SOFTCAP): exp cannot overflow, so no max pass. exp2, because inductor on
             # CPU stores an exp read twice (a float32 copy of the chunk's logits) but recomputes an exp2.
             softmax = torch.exp2(s * (LOGIT_SOFTCAP * LOG2E))
@@ -707,15 +715,17 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: Tensor):
         grad_xn, grad_w = ctx.saved_tensors
-        return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None
+        return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None
 
     @classmethod
-    def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False) -> Tensor:
         """apply(), with gradients only where autograd can use them: needs_input_grad follows requires_grad even
         under no_grad, so validation's inputs go in detached."""
         if not torch.is_grad_enabled():
             xn, w = xn.detach(), w.detach()
-        return cls.apply(xn, w, targets, chunk)
+        if softcap_in_xn_dtype and torch.is_grad_enabled():
+            raise ValueError("the chunked loss's gradient is the float32 softcap's: softcap_in_xn_dtype is for evaluation")
+        return cls.apply(xn, w, targets, chunk, softcap_in_xn_dtype)
 
 
 class GPT(nn.Module):
@@ -727,7 +737,8 @@ class GPT(nn.Module):
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
                  value_embed_gates: bool = False, attn_gates: bool = False, first_layer_mlp: bool = False,
                  first_layer_attention: bool = True, smear: bool = False, skip_gates: bool = False,
-                 backout_layer: int = -1, rotary_dtype: torch.dtype = torch.float32, windows=(3, 7, 11, 13),
+                 backout_layer: int = -1, rotary_dtype: torch.dtype = torch.float32,
+                 linear_dtype: torch.dtype = torch.float32, softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
@@ -776,18 +787,25 @@ class GPT(nn.Module):
                                     lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
         self.lm_head.weight.detach().zero_()
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
+        if loss_chunk and softcap_in_run_dtype:
+            raise ValueError("the chunked training loss computes its softcap in float32: softcap_in_run_dtype needs loss_chunk=0")
+        self.softcap_in_run_dtype = softcap_in_run_dtype
         for table in [self.embed, *self.value_embeds]:
             table.to(embed_dtype)
+        for module in self.modules():  # after every init draw: the lm_head and the gates
+            if isinstance(module, CastedLinear):
+                module.to(linear_dtype)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None) -> Tensor:
         """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
         the long layers' alone). Training returns the summed loss, eval the mean, EVAL_LOSS_CHUNK positions at a time."""
         x = self.trunk(input_seq, window, long_window=long_window)
         if self.training and not self.loss_chunk:
-            logits = self.softcapped_logits(x)
+            logits = softcap(self.lm_head(norm(x)), self.softcap_in_run_dtype)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
         loss = ChunkedSoftcapLoss.loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq,
-                                       self.loss_chunk if self.training else EVAL_LOSS_CHUNK)
+                                       self.loss_chunk if self.training else EVAL_LOSS_CHUNK,
+                                       self.softcap_in_run_dtype and not self.training)
         return loss if self.training else loss / target_seq.numel()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
@@ -1139,6 +1157,8 @@ class Hyperparameters:
     skip_gates: bool = False  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
     backout_layer: int = -1  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04: 8); -1: none
     rotary_in_run_dtype: bool = False  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
+    head_and_gates_in_run_dtype: bool = False  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
+    loss_in_run_dtype: bool = False  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
     attention_scale: float = 0.1  # softmax scale in the first window stage
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
@@ -1148,12 +1168,13 @@ class Hyperparameters:
     adam_beta1: float = 0.8  # Adam first-moment decay
     adam_beta2: float = 0.95  # Adam second-moment decay
     adam_eps: float = 1e-10  # Adam epsilon
+    adam_state_in_run_dtype: bool = False  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
     muon_lr: float = 0.05  # Muon lr for hidden matrices
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
     muon_momentum_cooldown_steps: int = 0  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30: 50)
-    muon_neuron_beta2: float = 0.0  # NorMuon (Li et al., 2025): EMA decay of each neuron's update mean square, 0.95 published; 0: off (the record)
+    muon_neuron_beta2: float = 0.0  # NorMuon (Li et al., 2025) as the 2025-10-24 record computes it: EMA decay of each neuron's update mean square (0.95 there); 0: off
     muon_cautious_wd: float = 0.0  # cautious weight decay on Muon's matrices (Chen et al., 2025), ramping linearly to 0 over training; best ~ 1/width^2; 0: off (the record)
     orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
     # systems
@@ -1266,6 +1287,9 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"muon_cautious_wd={args.muon_cautious_wd} must be >= 0 (0: off)")
     if args.loss_chunk < 0:
         raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
+    if args.loss_in_run_dtype and args.loss_chunk:
+        raise ConfigError(f"loss_in_run_dtype needs loss_chunk=0 (got {args.loss_chunk}): the chunked training loss "
+                          f"computes its softcap in float32")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
     for name in ("extension_steps", "muon_momentum_cooldown_steps"):
@@ -1403,6 +1427,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                first_layer_attention=args.first_layer_attention, smear=args.smear, skip_gates=args.skip_gates,
                backout_layer=args.backout_layer,
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
+               linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
+               softcap_in_run_dtype=args.loss_in_run_dtype,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 
@@ -1419,7 +1445,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     compiled = plan is not None and plan.compile_optimizers
     adam = Adam([dict(params=[model.lm_head.weight], lr=args.head_lr), dict(params=embeddings, lr=args.embed_lr),
                  dict(params=[model.scalars, *ve_gates], lr=args.scalar_lr)],
-                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled)
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled,
+                state_dtype=DTYPES[plan.dtype if plan else args.dtype] if args.adam_state_in_run_dtype else None)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
                 neuron_beta2=args.muon_neuron_beta2, compiled=compiled)

@@ -821,3 +821,78 @@ def test_layer_0_has_an_mlp_only_when_asked_and_the_draws_follow_the_layers():
                 assert torch.equal(block.mlp.c_fc, train_gpt.MLP(32).c_fc), (flag, i)
     assert torch.equal(models[False].blocks[0].attn.qkvo_w, models[True].blocks[0].attn.qkvo_w)
     assert not torch.equal(models[False].blocks[1].attn.qkvo_w, models[True].blocks[1].attn.qkvo_w)
+
+
+def test_the_bf16_softcap_rounds_after_each_operation():
+    """softcap in z's dtype (the records' training loss from 2025-09-27): 30 sigmoid(z / 7.5) with each of its three
+    operations rounded to bf16, against float64. Each rounding is within bf16's u of a float32 result that is within
+    float32's of the exact one (the sigmoid's exp within EXP_ULPS ulps): the quotient's relative error e1 moves the
+    sigmoid by at most |q| e1 / 4 (its slope is at most 1/4), the sigmoid's and the product's e2, e3 multiply it by
+    (1 + e2)(1 + e3). The float32 softcap stays within float32's bound, 2^16 times smaller: the bf16 one must round."""
+    z = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 15).bfloat16()
+    got, got32 = train_gpt.softcap(z, in_z_dtype=True), train_gpt.softcap(z)
+    assert got.dtype == torch.bfloat16 and got32.dtype == torch.float32
+    q = z.double() / train_gpt.LOGIT_SOFTCAP_SPREAD
+    exact = train_gpt.LOGIT_SOFTCAP * torch.sigmoid(q)
+    for dtype, result in ((torch.bfloat16, got), (torch.float32, got32)):
+        u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
+        e1, e2, e3 = u + u32, u + 2 * EXP_ULPS * u32 + 2 * u32, u + u32
+        sigmoid = exact / train_gpt.LOGIT_SOFTCAP  # whole, not first order: bf16's u is too large to drop products
+        bound = train_gpt.LOGIT_SOFTCAP * ((sigmoid + q.abs() * e1 / 4) * (1 + e2) * (1 + e3) - sigmoid)
+        assert_within(result, exact, bound, f"softcap in {dtype}")
+    assert (got.double() - exact).abs().max() > 1000 * (got32.double() - exact).abs().max()
+
+
+def test_validation_takes_the_bf16_softcap_when_training_does():
+    """ChunkedSoftcapLoss with softcap_in_xn_dtype: the summed cross-entropy of the bf16-softcapped logits L, against
+    float64 over the same L. Per row, float32 recovers s = L / 30 and 30 s (u each, |L| <= 30: 60u in the target's
+    term and in each exponent, whose exp2 adds 2 EXP_ULPS u relative, moving the log-sum by as much), sums V exps
+    (gamma(V)) and takes a log (2 EXP_ULPS u of it); the rows' sum adds gamma(T) of their magnitudes. The float32
+    softcap's loss is far outside that bound; the loss has no gradient of its own, so it refuses training."""
+    xn, w, targets, _ = softcapped_loss_case()
+    xn, w = xn.bfloat16(), w.bfloat16()
+    u, V = UNIT_ROUNDOFF[torch.float32], w.size(0)
+    logits = train_gpt.softcap(xn @ w.T, in_z_dtype=True).double()
+    rows = torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
+    row_bound = 2 * 60 * u + 2 * EXP_ULPS * u + gamma(V) + 2 * EXP_ULPS * u * torch.logsumexp(logits, dim=-1)
+    bound = row_bound.sum() + gamma(len(rows)) * rows.abs().sum()
+    with torch.no_grad():
+        for chunk in (100, 4096):
+            loss = train_gpt.ChunkedSoftcapLoss.loss(xn, w, targets, chunk, softcap_in_xn_dtype=True)
+            assert_within(loss, rows.sum(), bound, f"chunks of {chunk}", gamma(V))
+        float32_softcap = train_gpt.ChunkedSoftcapLoss.loss(xn, w, targets, 100)
+    assert (float32_softcap.double() - rows.sum()).abs() > 10 * bound
+    with pytest.raises(ValueError, match="softcap_in_xn_dtype is for evaluation"):
+        train_gpt.ChunkedSoftcapLoss.loss(xn.requires_grad_(), w, targets, 100, softcap_in_xn_dtype=True)
+
+
+def test_the_records_dtypes_round_the_head_the_gates_and_the_loss():
+    """head_and_gates_in_run_dtype and loss_in_run_dtype (the records from 2025-09-11 and 09-27) at bf16: the lm_head,
+    attention-gate and smear-gate weights are the float32 build's rounded to bf16 (cast after every init draw, so the
+    other weights are the same draws); training's loss is F.cross_entropy's sum over the bf16-softcapped logits of
+    the bf16 lm_head, to the bit (random weights); validation's is the chunked loss's mean over the same softcap."""
+    def build(linear_dtype):
+        torch.manual_seed(0)
+        return train_gpt.GPT(VOCAB, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=WINDOWS,
+                             smear=True, attn_gates=True, embed_dtype=torch.bfloat16, linear_dtype=linear_dtype,
+                             softcap_in_run_dtype=linear_dtype == torch.bfloat16)
+
+    plain, rounded = build(torch.float32), build(torch.bfloat16)
+    linears = {name for name, m in rounded.named_modules() if isinstance(m, train_gpt.CastedLinear)}
+    assert linears == {"smear_gate", "lm_head", *(f"blocks.{i}.attn.attn_gate" for i in (0, 1, 3))}
+    for (name, p), q in zip(rounded.named_parameters(), plain.parameters()):
+        rounds = name.removesuffix(".weight") in linears
+        assert p.dtype == (torch.bfloat16 if rounds else q.dtype), name
+        assert torch.equal(p, q.to(p.dtype)) if rounds else torch.equal(p, q), name
+    rounded = randomize_(rounded)
+    inputs, targets = documents()
+    loss = rounded.train()(inputs, targets, 2)
+    x = train_gpt.norm(rounded.trunk(inputs, 2))
+    logits = train_gpt.softcap(torch.nn.functional.linear(x, rounded.lm_head.weight), in_z_dtype=True)
+    assert loss.dtype == torch.bfloat16
+    assert torch.equal(loss, torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum"))
+    with torch.no_grad():
+        val = rounded.eval()(inputs, targets, 2)
+        expected = train_gpt.ChunkedSoftcapLoss.loss(x[0], rounded.lm_head.weight, targets, train_gpt.EVAL_LOSS_CHUNK,
+                                                     softcap_in_xn_dtype=True) / T
+    assert torch.equal(val, expected)

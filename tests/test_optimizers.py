@@ -477,42 +477,49 @@ def test_move_window_without_yarn_changes_windows_and_never_rescales():
     assert torch.equal(model.rotary.freqs, freqs)
 
 
-def hand_neuron_normalization(update, second_moment, beta2, per_row):
-    """NorMuon's per-neuron step in plain Python lists: EMA of each row's (or column's) mean square,
-    division by its square root, rescaling to the update's Frobenius norm (each divisor plus NORMUON_EPS)."""
-    eps, rows, cols = train_gpt.NORMUON_EPS, len(update), len(update[0])
+def hand_neuron_normalization(update, second_moment, beta2):
+    """NorMuon's step as the record computes it, in plain Python over a flat list of an update (rows, cols) or a
+    stack (k, rows, cols), which the record stores as the matrix (rows, k cols): memory row r holds entries
+    r k cols .. (r + 1) k cols - 1. Per column of that matrix when it is wide, else per row: the EMA of the mean
+    square, division by its root (floored at NORMUON_EPS), rescaling to the update's Frobenius norm."""
+    *stack, rows, cols = update.shape
+    values, width = update.flatten().tolist(), math.prod(stack) * cols
+    entry = lambda r, c: values[r * width + c]
+    per_row = rows >= width
     if per_row:
-        mean_square = [sum(v * v for v in row) / cols for row in update]
+        mean_square = [sum(entry(r, c) ** 2 for c in range(width)) / width for r in range(rows)]
     else:
-        mean_square = [sum(update[r][c] ** 2 for r in range(rows)) / rows for c in range(cols)]
+        mean_square = [sum(entry(r, c) ** 2 for r in range(rows)) / rows for c in range(width)]
     second_moment = [beta2 * s + (1 - beta2) * m for s, m in zip(second_moment, mean_square)]
-    divided = [[update[r][c] / (math.sqrt(second_moment[r if per_row else c]) + eps) for c in range(cols)]
-               for r in range(rows)]
-    norm = lambda m: math.sqrt(sum(v * v for row in m for v in row))
-    scale = norm(update) / (norm(divided) + eps)
-    return [[v * scale for v in row] for row in divided], second_moment
+    divisor = [max(math.sqrt(s), train_gpt.NORMUON_EPS) for s in second_moment]
+    divided = [entry(r, c) / divisor[r if per_row else c] for r in range(rows) for c in range(width)]
+    norm = lambda vs: math.sqrt(sum(v * v for v in vs))
+    scale = norm(values) / max(norm(divided), train_gpt.NORMUON_EPS)
+    return [v * scale for v in divided], second_moment
 
 
-@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (2, 2)])
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (2, 2), (4, 2, 2)])
 def test_normuon_normalizes_per_neuron_as_computed_by_hand(shape):
-    """Two steps on a tall (per row), a wide (per column) and a square (per row) matrix, in float32 against
-    the same float32 updates by hand in float64."""
+    """Two steps on a tall (per row), a wide (per column), a square (per row) matrix and a q, k, v, o stack (per
+    column of the record's (2, 8) storage, each pooling 2 entries of 2 of the 4), in float32 against the same
+    float32 updates by hand in float64."""
     muon = train_gpt.Muon([torch.nn.Parameter(torch.zeros(shape))], lr=0.1, momentum=0.9, neuron_beta2=0.95)
     p = muon.param_groups[0]["params"][0]
-    per_row = shape[0] >= shape[1]
-    neuron_size = shape[1] if per_row else shape[0]
-    second_moment = [0.0] * (shape[0] if per_row else shape[1])
+    rows, width = shape[-2], math.prod(shape) // shape[-2]
+    per_row = rows >= width
+    neuron_size = width if per_row else rows
+    second_moment = [0.0] * (rows if per_row else width)
     for step, seed in enumerate((1, 2)):
         update = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * (1 + step)
-        got = muon._normalize_neurons(p, update)
-        expected, second_moment = hand_neuron_normalization(update.tolist(), second_moment, 0.95, per_row)
+        expected, second_moment = hand_neuron_normalization(update, second_moment, 0.95)
+        got = muon._normalize_neurons(p, update.clone())
         # relative roundings, of positive terms only: the mean square n + 2 (n squares and sums, the mean's division
         # or reciprocal and product), then 4 per lerp (its weight, difference, product and sum)
         moment_roundings = neuron_size + 2 + 4 * (step + 1)
-        # the output: the moment's, halved by the sqrt, twice (in the division and its norm), the two norms' N / 2 + 1
-        # each, and 9 more (the division's sqrt, eps sum and quotient, twice; an eps sum, a quotient, a product)
-        output_roundings = shape[0] * shape[1] + moment_roundings + 11
-        expected = torch.tensor(expected, dtype=torch.float64)
+        # the output: the moment's, halved by the sqrt, twice (in the entry and in its norm), the two norms' N / 2 + 1
+        # each, and 8 more (the sqrt, reciprocal and product, twice; the norms' quotient and its product)
+        output_roundings = math.prod(shape) + moment_roundings + 10
+        expected = torch.tensor(expected, dtype=torch.float64).view(shape)
         assert_within(got, expected, gamma(output_roundings) * expected.abs(), "normalized update",
                       gamma(output_roundings))
         expected_moment = torch.tensor(second_moment, dtype=torch.float64)
@@ -626,6 +633,35 @@ def test_adam_is_the_records_formula_computed_by_hand():
         with pytest.raises(AssertionError, match="times the derived bound"):
             assert_within(torch_p.detach(), expected, bound, "torch's Adam", relative)
         assert adam.state[p]["step"].dtype == torch.int64 and adam.state[p]["exp_avg"].dtype == p.dtype
+
+
+def test_adam_keeps_its_moments_in_the_run_dtype_when_asked():
+    """adam_state_in_run_dtype (the records from 2025-09-11): bf16 moments for a float32 and a bf16 parameter. Step 1
+    by hand in float64: m = (1 - b1) g, v = (1 - b2) g^2, the move lr sqrt(1 - b2) / (1 - b1) m / (sqrt(v) + eps).
+    Each of the move's bf16 roundings (m, v, the sqrt, the eps sum, the quotient, the product by the step size) is
+    within e = bf16's u plus float32's 3u of the value it rounds, the sqrt halving v's: the move lies within
+    (1 + e)^4 / (1 - e)^3 - 1 of its own magnitude, and the parameter's subtraction rounds in its dtype."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(64, generator=g), torch.randn(64, generator=g).bfloat16()]
+    grads = [torch.randn(64, generator=g).to(p.dtype) for p in params]
+    lr, (beta1, beta2), eps = 0.05, (0.65, 0.95), 1e-8
+    moved = {}
+    for state_dtype in (torch.bfloat16, None):
+        copies = [p.clone().requires_grad_() for p in params]
+        adam = train_gpt.Adam([dict(params=copies, lr=lr)], betas=(beta1, beta2), eps=eps, state_dtype=state_dtype)
+        for p, grad in zip(copies, grads):
+            p.grad = grad.clone()
+        adam.step()
+        moved[state_dtype] = [p.detach() for p in copies]
+        assert all(adam.state[p]["exp_avg"].dtype == (state_dtype or p.dtype) for p in copies)
+    e = UNIT_ROUNDOFF[torch.bfloat16] + 3 * UNIT_ROUNDOFF[torch.float32]
+    for p0, grad, got in zip(params, grads, moved[torch.bfloat16]):
+        gd = grad.double()
+        move = lr * math.sqrt(1 - beta2) / (1 - beta1) * ((1 - beta1) * gd) / (((1 - beta2) * gd * gd).sqrt() + eps)
+        expected = p0.double() - move
+        bound = ((1 + e) ** 4 / (1 - e) ** 3 - 1) * move.abs() + UNIT_ROUNDOFF[p0.dtype] * expected.abs() * 1.01
+        assert_within(got, expected, bound, f"Adam with bf16 moments, {p0.dtype} parameter")
+    assert not torch.equal(moved[torch.bfloat16][0], moved[None][0])  # float32 moments round less
 
 
 def test_compiled_adam_compiles_once_whatever_the_lr():

@@ -55,13 +55,17 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     """A run with the later records' structure (block 0 empty, the smear, sigmoid skip gates, the backout): the
     smear gate trains with Muon and the two new scalars with Adam, the loss falls as in a few steps above, and
     tools/sample.py loads its checkpoint into the same structure with the trained values, its rotary tables in the
-    dtype it runs in."""
-    result = run(tiny_shards, tmp_path, *RECORDS_STRUCTURE, "--num_iterations=8", "--val_loss_every=8",
-                 "--save_checkpoint", "--rotary_in_run_dtype=true")
+    dtype it runs in. In bf16 with the records' roundings: the lm_head and gates stored in bf16 (sampling loads them
+    into its own dtype), bf16 Adam moments, the bf16 softcap and cross-entropy."""
+    result = run(tiny_shards, tmp_path, *RECORDS_STRUCTURE, *RECORDS_DTYPES, "--num_iterations=8", "--val_loss_every=8",
+                 "--save_checkpoint")
     assert result["val_losses"][8] < result["val_losses"][0] - 1.0
-    model, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"))
-    in_bf16, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"), dtype="bfloat16")
-    assert model.rotary.cos.dtype == torch.float32 and in_bf16.rotary.cos.dtype == torch.bfloat16  # the run's dtype
+    model, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"), dtype="float32")
+    in_bf16, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"))  # the run's dtype
+    assert model.rotary.cos.dtype == torch.float32 and in_bf16.rotary.cos.dtype == torch.bfloat16
+    state = torch.load(result["checkpoints"][-1], map_location="cpu", weights_only=False)
+    assert state["model"]["lm_head.weight"].dtype == state["model"]["smear_gate.weight"].dtype == torch.bfloat16
+    assert state["optimizers"][0]["state"][0]["exp_avg"].dtype == torch.bfloat16
     assert model.first_layer == 1 and model.skip_gates and model.backout_layer == 2
     assert model.smear_gate.weight.any()  # moved from its zero init
     trained = model.scalars[[model.smear_index, model.backout_index]].detach()
@@ -501,6 +505,8 @@ def test_overrides_and_flags_parse():
 
 EMPTY_FIRST_BLOCK = ["--first_layer_mlp=false", "--first_layer_attention=false"]
 RECORDS_STRUCTURE = ["--num_layers=4", *EMPTY_FIRST_BLOCK, "--smear=true", "--skip_gates=true", "--backout_layer=2"]
+RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_gates_in_run_dtype=true",
+                  "--adam_state_in_run_dtype=true", "--loss_in_run_dtype=true", "--loss_chunk=0"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -517,6 +523,8 @@ RECORDS_STRUCTURE = ["--num_layers=4", *EMPTY_FIRST_BLOCK, "--smear=true", "--sk
     (["--muon_neuron_beta2=1"], "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
     (["--muon_cautious_wd=-1"], "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
     (["--loss_chunk=-1"], "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
+    (["--loss_chunk=128", "--loss_in_run_dtype=true"], "loss_in_run_dtype needs loss_chunk=0 (got 128): the chunked "
+                                                      "training loss computes its softcap in float32"),
     (["--num_iterations=0"], "num_iterations=0 must be at least 1"),
     (["--extension_steps=10"], "extension_steps=10 must be within [0, num_iterations=10)"),
     (["--muon_momentum_cooldown_steps=-1"], "muon_momentum_cooldown_steps=-1 must be within [0, num_iterations=10)"),
