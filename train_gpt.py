@@ -862,21 +862,26 @@ class GPT(nn.Module):
 
 class GradientBuckets:
     """Gradient averaging over ranks in buckets of about bucket_bytes: on the last micro-step, the hook of a bucket's
-    last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies)."""
+    last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies).
+    Buckets of deferred parameters (Adam's, when it steps every few steps) are reduced only on the steps that set
+    reduce_deferred; in between, their gradients add up in the buffers, as each rank's own."""
 
     def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
-                 sum_dtype: torch.dtype | None = None):
+                 sum_dtype: torch.dtype | None = None, deferred: list[nn.Parameter] = ()):
         # sum_dtype=torch.float64: each .grad is added into float64 buffers and dropped, and a sum of a few float32 or
         # bf16 numbers is exact there, so its order no longer matters: any world size gets the same gradient bits.
         self.world_size, self.sum_dtype = world_size, sum_dtype
         self.buckets: list[list[nn.Parameter]] = []
-        size, dtype = bucket_bytes, None
+        deferred_ids = set(map(id, deferred))
+        size, kind = bucket_bytes, None
         for p in params_in_ready_order:
-            if size >= bucket_bytes or p.dtype != dtype:
+            if size >= bucket_bytes or (p.dtype, id(p) in deferred_ids) != kind:
                 self.buckets.append([])
-                size, dtype = 0, p.dtype
+                size, kind = 0, (p.dtype, id(p) in deferred_ids)
             self.buckets[-1].append(p)
             size += p.numel() * self._wire_bytes(p)
+        self.deferred = [id(bucket[0]) in deferred_ids for bucket in self.buckets]
+        self.reduce_deferred = True  # this step reduces the deferred buckets too
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.offset_of = {p: sum(q.numel() for q in bucket[:i])
                           for bucket in self.buckets for i, p in enumerate(bucket)}
@@ -910,9 +915,9 @@ class GradientBuckets:
         elif p.grad.data_ptr() != self._slice(p).data_ptr():  # else each rank would step on its own gradient
             raise RuntimeError(f"the gradient of a {tuple(p.shape)} parameter left its bucket's buffer (was .grad "
                                f"set to None?): zero gradients with GradientBuckets.zero_grad()")
-        if not self.last_micro_step:
-            return
         b = self.bucket_of[p]
+        if not self.last_micro_step or not self._due(b):
+            return
         self.ready[b] += 1
         if self.ready[b] > len(self.buckets[b]):
             raise RuntimeError(f"gradient bucket {b} got more gradients than it has parameters in one step")
@@ -921,8 +926,13 @@ class GradientBuckets:
         self.handles[b] = dist.all_reduce(self.flat[b], op=dist.ReduceOp.AVG, async_op=True)
         self.reductions[b] += 1
 
+    def _due(self, b: int) -> bool:
+        return self.reduce_deferred or not self.deferred[b]
+
     def wait_for_gradients(self):
         for b, bucket in enumerate(self.buckets):
+            if not self._due(b):
+                continue
             if self.ready[b] < len(bucket):
                 raise RuntimeError(f"gradient bucket {b} was not reduced: {len(bucket) - self.ready[b]} "
                                    f"of its {len(bucket)} parameters got no gradient this step")
@@ -937,8 +947,10 @@ class GradientBuckets:
         self.steps += 1
 
     def zero_grad(self):
-        """After the optimizer step: gradients start again from zero, in their buffers."""
-        for bucket, flat in zip(self.buckets, self.flat):
+        """After the optimizer step: the gradients it used start again from zero, in their buffers."""
+        for b, (bucket, flat) in enumerate(zip(self.buckets, self.flat)):
+            if not self._due(b):
+                continue
             if self.sum_dtype is None:
                 flat.zero_()
             else:
@@ -1168,6 +1180,7 @@ class Hyperparameters:
     adam_beta1: float = 0.8  # Adam first-moment decay
     adam_beta2: float = 0.95  # Adam second-moment decay
     adam_eps: float = 1e-10  # Adam epsilon
+    adam_every: int = 1  # Adam steps every N steps, the last of each N, on their summed gradients (2025-09-30: 2, the odd steps)
     adam_state_in_run_dtype: bool = False  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
     muon_lr: float = 0.05  # Muon lr for hidden matrices
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
@@ -1292,6 +1305,11 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
                           f"computes its softcap in float32")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
+    if args.adam_every < 1:
+        raise ConfigError(f"adam_every={args.adam_every} must be at least 1 (1: every step)")
+    if args.checkpoint_every % args.adam_every:
+        raise ConfigError(f"checkpoint_every={args.checkpoint_every} must be a multiple of adam_every={args.adam_every}: "
+                          f"a checkpoint between Adam's steps would drop the gradients it has summed so far")
     for name in ("extension_steps", "muon_momentum_cooldown_steps"):
         if not 0 <= getattr(args, name) < args.num_iterations:
             raise ConfigError(f"{name}={getattr(args, name)} must be within [0, num_iterations={args.num_iterations})")
@@ -1532,12 +1550,14 @@ class Trainer:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
         self.optimizers = build_optimizers(self.model, args, rank, world_size, plan)
-        self.muon = self.optimizers[1]
+        self.adam, self.muon = self.optimizers
         # The training step only calls wait_for_gradients(); the hooks do the rest during backward.
         self.buckets = None
         if world_size > 1 or args.exact_grad_sum:
+            adam_params = [p for group in self.adam.param_groups for p in group["params"]]
             self.buckets = GradientBuckets(list(reversed(list(self.model.parameters()))), int(args.bucket_mb * 1e6),
-                                           world_size, torch.float64 if args.exact_grad_sum else None)
+                                           world_size, torch.float64 if args.exact_grad_sum else None,
+                                           deferred=adam_params if args.adam_every > 1 else ())
         self.grad_accum_steps = args.batch_slots // world_size
         # AOTAutograd's cache skips graphs with an autograd.Function unless allowed; ChunkedSoftcapLoss
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
@@ -1553,11 +1573,14 @@ class Trainer:
         self.window = move_window(self.model, self.window, step, self.args)
 
     def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """One optimizer step; returns the mean training loss per token as a device tensor (no sync)."""
+        """One optimizer step (Adam's only every adam_every steps, on their summed gradients); returns the mean training
+        loss per token as a device tensor (no sync)."""
+        adam_steps = (step + 1) % self.args.adam_every == 0
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             if self.buckets is not None:
                 self.buckets.last_micro_step = i == len(micro_batches) - 1
+                self.buckets.reduce_deferred = adam_steps
             loss = self.compiled(inputs, targets, self.window)
             # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
             (loss / self.grad_accum_steps).backward()
@@ -1570,12 +1593,14 @@ class Trainer:
         for group in self.muon.param_groups:
             group["momentum"] = muon_momentum(step, self.args)
             group["weight_decay"] = muon_weight_decay(step, self.args)
-        for optimizer in self.optimizers:
+        stepping = self.optimizers if adam_steps else [self.muon]
+        for optimizer in stepping:
             optimizer.step()
         if self.buckets is not None:
             self.buckets.zero_grad()
         else:
-            self.model.zero_grad(set_to_none=True)
+            for optimizer in stepping:
+                optimizer.zero_grad(set_to_none=True)
         loss = total / (self.grad_accum_steps * self.args.seq_len)
         self.nonfinite_step = torch.where((self.nonfinite_step < 0) & ~torch.isfinite(loss), step + 1, self.nonfinite_step)
         return loss
@@ -1619,6 +1644,11 @@ class Trainer:
         self.model.load_state_dict(saved["model"])
         for optimizer, state in zip(self.optimizers, saved["optimizers"]):
             optimizer.load_state_dict(state)
+        if self.buckets is not None:  # gradients Adam summed but did not step on
+            self.buckets.reduce_deferred = True
+            self.buckets.zero_grad()
+        else:
+            self.model.zero_grad(set_to_none=True)
         self.nonfinite_step.fill_(-1)
         self.window = window
 
@@ -1688,7 +1718,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             save(step + 1, periodic=True)
             t0 = time.perf_counter()
         signum = stop.agreed()
-        if signum:
+        if signum and (step + 1) % args.adam_every == 0:  # else Adam's summed gradients would be lost: the next step
             pause_clock()
             raise support.stopped_after(signum, step + 1, save, checkpoints, run_id, argv, world_size, log)
     if args.save_checkpoint:

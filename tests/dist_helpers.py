@@ -46,8 +46,8 @@ class NoSyncBuckets(train_gpt.GradientBuckets):
 class RecordingBuckets(train_gpt.GradientBuckets):
     instances = []
 
-    def __init__(self, params_in_ready_order, *args):
-        super().__init__(params_in_ready_order, *args)
+    def __init__(self, params_in_ready_order, *args, **kwargs):
+        super().__init__(params_in_ready_order, *args, **kwargs)
         self.params = params_in_ready_order
         self.num_params = len(params_in_ready_order)
         self.hook_calls = 0  # within the current optimizer step
@@ -81,10 +81,10 @@ class RecordingBuckets(train_gpt.GradientBuckets):
             super().wait_for_gradients()
         self.copied_bytes += copied.bytes
         self.hook_calls = 0
-        self.reduced_grads.append([p.grad.detach().clone() for p in self.params])
+        self.reduced_grads.append([None if p.grad is None else p.grad.detach().clone() for p in self.params])
 
     def summary(self) -> dict:
-        return dict(num_params=self.num_params, steps=self.steps, reductions=self.reductions,
+        return dict(num_params=self.num_params, steps=self.steps, reductions=self.reductions, deferred=self.deferred,
                     bucket_shapes=[[list(p.shape) for p in bucket] for bucket in self.buckets], events=self.events,
                     copied_bytes=self.copied_bytes, grad_bytes=sum(p.numel() * p.element_size() for p in self.params))
 

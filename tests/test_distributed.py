@@ -200,6 +200,30 @@ def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards
         assert record["copied_bytes"] == ITERATIONS * record["grad_bytes"]
 
 
+def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_shards, tmp_path):
+    """adam_every=2 (the records from 2025-09-30): Adam steps on the odd steps, on two steps' summed gradients. On 2
+    ranks x 2 micro-steps, Muon's buckets are reduced on every step and Adam's (the lm_head, the embeddings, the
+    scalars; no bucket mixes the two) on the odd steps' last micro-step alone, once; the run equals one process's."""
+    extra = ["--adam_every=2", "--bucket_mb=0.2"]
+    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, *extra))
+    out = tmp_path / "events"
+    two = launch(tmp_path / "two", torchrun(2), HELPERS, train_args(tmp_path / "two", 4, *tiny_shards, *extra),
+                 mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
+    assert_runs_agree(one, two)
+    adam_shapes = {(train_gpt.next_multiple(TINY_VOCAB, 128), 64)}  # the lm_head and the embeddings; scalars are 1-D
+    for rank in (0, 1):
+        [record] = json.loads((out / f"rank{rank}.json").read_text())
+        is_adam = [all(len(s) == 1 or tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]
+        assert record["deferred"] == is_adam and any(is_adam) and not all(is_adam)
+        assert all(is_adam[b] or not any(len(s) == 1 or tuple(s) in adam_shapes for s in shapes)
+                   for b, shapes in enumerate(record["bucket_shapes"]))  # no bucket mixes Adam's and Muon's
+        assert record["reductions"] == [ITERATIONS // 2 if adam else ITERATIONS for adam in is_adam]
+        for step in range(ITERATIONS):
+            launched = [e["bucket"] for e in record["events"] if e["step"] == step]
+            assert launched == [b for b, adam in enumerate(is_adam) if step % 2 or not adam], step
+        assert all(e["last_micro_step"] for e in record["events"])
+
+
 def test_buckets_copy_no_gradient_bytes(tiny_shards, tmp_path):
     """Without the float64 sums, gradients are views of their bucket's buffer: backward adds into it and
     the all-reduce averages it in place, so the hooks and the wait copy nothing, in a 2-process step

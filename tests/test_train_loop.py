@@ -2,6 +2,7 @@
 warm-up restore, errors."""
 
 import collections
+import copy
 import math
 import os
 import re
@@ -70,6 +71,49 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     assert model.smear_gate.weight.any()  # moved from its zero init
     trained = model.scalars[[model.smear_index, model.backout_index]].detach()
     assert (trained != torch.tensor([0.0, 0.5])).all()  # the smear's and the backout's lambdas from their inits
+
+
+def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
+    """adam_every=2 in one process without buckets: after step 0 Adam's parameters have not moved and Muon's have; after
+    step 1 every parameter equals a run of the same optimizers by hand, Muon stepping each step on that step's
+    gradient and Adam once, on step 0's gradient plus step 1's, added here (one micro-step a step: autograd adds
+    them in that one operation too)."""
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--adam_every=2", "--batch_slots=1", "--num_iterations=100"], "cpu")
+    plan = train_gpt.plan_device(args, torch.device("cpu"))
+    trainer = train_gpt.Trainer(args, 0, 1, plan)
+    with torch.no_grad():  # a zero lm_head would leave every other parameter without a gradient
+        trainer.model.lm_head.weight.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(trainer.model)
+    adam, muon = train_gpt.build_optimizers(model, args, plan=plan)
+    adam_params = [p for group in adam.param_groups for p in group["params"]]
+    g = torch.Generator().manual_seed(0)
+    batches = [[(t[:-1].int(), t[1:]) for t in [torch.randint(0, TINY_VOCAB, (129,), generator=g)]] for _ in range(2)]
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    summed = {}
+    for step, batch in enumerate(batches):
+        trainer.train_step(step, batch)
+        model(*batch[0], trainer.window).backward()  # the first window stage's, for both steps
+        for p in adam_params:
+            summed[p] = p.grad.clone() if step == 0 else summed[p] + p.grad
+            p.grad = None
+        for optimizer in (adam, muon):
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * train_gpt.lr_multiplier(step, args)
+        muon.param_groups[0].update(momentum=train_gpt.muon_momentum(step, args),
+                                    weight_decay=train_gpt.muon_weight_decay(step, args))
+        muon.step()
+        muon.zero_grad(set_to_none=True)
+        if step == 1:
+            for p in adam_params:
+                p.grad = summed[p]
+            adam.step()
+        if step == 0:
+            adam_ids = set(map(id, adam_params))
+            moved = {id(twin): not torch.equal(p, p0) for p, p0, twin in zip(trainer.model.parameters(), start, model.parameters())}
+            assert not any(moved[i] for i in adam_ids) and any(moved.values())
+    differ = [name for (name, p), twin in zip(trainer.model.named_parameters(), model.parameters()) if not torch.equal(p, twin)]
+    assert not differ
+    assert int(trainer.adam.state[trainer.model.lm_head.weight]["step"]) == 1
 
 
 def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, monkeypatch):
@@ -523,6 +567,9 @@ RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_
     (["--muon_neuron_beta2=1"], "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
     (["--muon_cautious_wd=-1"], "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
     (["--loss_chunk=-1"], "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
+    (["--adam_every=0"], "adam_every=0 must be at least 1 (1: every step)"),
+    (["--adam_every=2", "--checkpoint_every=3"], "checkpoint_every=3 must be a multiple of adam_every=2: a checkpoint "
+                                                 "between Adam's steps would drop the gradients it has summed so far"),
     (["--loss_chunk=128", "--loss_in_run_dtype=true"], "loss_in_run_dtype needs loss_chunk=0 (got 128): the chunked "
                                                       "training loss computes its softcap in float32"),
     (["--num_iterations=0"], "num_iterations=0 must be at least 1"),
