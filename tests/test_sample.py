@@ -97,8 +97,21 @@ def test_loaded_rotary_follows_the_checkpoints_yarn(trained, tmp_path):
         else:
             state["hyperparameters"]["yarn"] = yarn
         torch.save(state, tmp_path / "edited.pt")
-        model, window = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
+        model, window, _ = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
         assert window == 3 and torch.equal(model.rotary.freqs, expected), yarn
+
+
+def test_a_final_checkpoint_samples_with_its_last_validations_long_window(trained, tmp_path):
+    """final_long_window widens the long layers at a run's last validation: load_model hands it over for the
+    checkpoint of the last step, and none for an earlier step's or a run without it."""
+    checkpoint = trained[0]
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["step"] == state["hyperparameters"]["num_iterations"]
+    for final_long_window, step, expected in ((0, 6, None), (4, 6, 4), (4, 5, None)):
+        state["hyperparameters"]["final_long_window"], state["step"] = final_long_window, step
+        torch.save(state, tmp_path / "edited.pt")
+        _, _, long_window = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
+        assert long_window == expected
 
 
 def test_loaded_model_gives_the_runs_final_validation_loss(trained):
@@ -107,7 +120,7 @@ def test_loaded_model_gives_the_runs_final_validation_loss(trained):
     sampler's lm_head layout takes other kernels): its rotary was rescaled from window 2 as the run's was.
     With the unscaled rotary tables the loss falls outside that bound."""
     checkpoint, _, result = trained
-    model, window = sample.load_model(checkpoint, torch.device("cpu"), 512, "float32")
+    model, window, _ = sample.load_model(checkpoint, torch.device("cpu"), 512, "float32")
     assert window == 3
     val = train_gpt.validation_sequences(str(checkpoint.parent.parent.parent / "cycle_val_*.bin"), 512, 256, 50257)
 
@@ -129,12 +142,13 @@ def test_loaded_model_gives_the_runs_final_validation_loss(trained):
     assert abs(loss() - exact) > bound
 
 
-def assert_top_logits_agree(exact_model, sequence, window, cached, full):
+def assert_top_logits_agree(exact_model, sequence, window, cached, full, long_window=None):
     """The cached and the full forward's two largest logits both within the derived float32 bound of the float64
     full forward's (tests/rounding.py: the cached path rounds the same ops, on other row counts), and apart by
     more than their bounds: no float32 evaluation picks another greedy token."""
     largest = full.topk(2).indices
-    exact, bound = first_order_bound(lambda: sample.next_token_logits(exact_model, torch.tensor(sequence), window)[largest])
+    exact, bound = first_order_bound(
+        lambda: sample.next_token_logits(exact_model, torch.tensor(sequence), window, long_window=long_window)[largest])
     for name, logits in (("cached", cached), ("full", full)):
         assert_within(logits[largest], exact, bound, f"{name} logits")
     assert exact[0] - exact[1] > bound[0] + bound[1]
@@ -146,7 +160,7 @@ def test_cached_greedy_generation_equals_greedy_over_the_full_prefix(trained):
     give the same logits and the same greedy token. The prefix holds a document boundary, crosses
     three 128-blocks, and its second document outgrows both windows (long 3 blocks, short 1)."""
     checkpoint, successor, _ = trained
-    model, window = sample.load_model(checkpoint, torch.device("cpu"), 512)
+    model, window, _ = sample.load_model(checkpoint, torch.device("cpu"), 512)
     assert window == 3
     start = 5
     walk = [start]
@@ -223,12 +237,13 @@ def randomized_records_structure_gpt():
 
 
 @pytest.mark.parametrize("structure", ["randomized_gpt", "randomized_records_structure_gpt"])
-@pytest.mark.parametrize("window", [1, 2, 3])
-def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(request, structure, window):
+@pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (3, None), (2, 3)])
+def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(request, structure, window, long_window):
     """Pieces of 1, 127, 12, 100 and 160 tokens; documents start mid-block, twice inside a block that
-    the cache already holds part of; window 1 leaves the short layers each query's own key alone. After
-    every piece the next-token logits equal those of the forward over everything fed so far, and the
-    cached path ran each position once."""
+    the cache already holds part of; window 1 leaves the short layers each query's own key alone; the long
+    layers' own wider window as after a run's last validation (final_long_window). After every piece the
+    next-token logits equal those of the forward over everything fed so far, and the cached path ran each
+    position once."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, EOT, (400,), generator=g)
     tokens[[0, 100, 230, 300]] = EOT
@@ -237,20 +252,20 @@ def test_feeding_the_cache_in_any_pieces_matches_the_full_forward(request, struc
     cache, fed, ran = sample.KVCache(model.num_layers), 0, []
     trunk = model.trunk
 
-    def counted(tokens, window, masks=None, cache=None):
+    def counted(tokens, window, masks=None, cache=None, long_window=None):
         if cache is not None:
             ran.append(tokens.numel())
-        return trunk(tokens, window, masks, cache)
+        return trunk(tokens, window, masks, cache, long_window)
 
     model.trunk = counted
     try:
         with torch.no_grad():
             for piece in (1, 127, 12, 100, 160):
-                cached = sample.next_token_logits(model, tokens[fed:fed + piece], window, cache)
+                cached = sample.next_token_logits(model, tokens[fed:fed + piece], window, cache, long_window)
                 fed += piece
                 assert len(cache) == fed
-                full = sample.next_token_logits(model, tokens[:fed], window)
-                assert_top_logits_agree(exact_model, tokens[:fed].tolist(), window, cached, full)
+                full = sample.next_token_logits(model, tokens[:fed], window, long_window=long_window)
+                assert_top_logits_agree(exact_model, tokens[:fed].tolist(), window, cached, full, long_window)
     finally:
         del model.trunk  # back to the class's method
     assert ran == [1, 127, 12, 100, 160]
@@ -360,7 +375,7 @@ def test_the_tool_streams_the_prompt_and_what_generate_draws(trained, gpt2_ranks
     proc = run_tool(checkpoint, "--prompt", "To be", "--max_new_tokens", 12, "--seed", 3, "--temperature", 1.0,
                     "--top_k", 5, "--device", "cpu", env={"GPT2_TIKTOKEN_FILE": str(gpt2_ranks_file)})
     assert proc.returncode == 0, proc.stderr
-    model, window = sample.load_model(checkpoint, torch.device("cpu"), 64)
+    model, window, _ = sample.load_model(checkpoint, torch.device("cpu"), 64)
     prompt = sample.prompt_tokens(gpt2_encoding, "To be")
     tokens = []
     for token in sample.generate(model, prompt, 12, window, 1.0, 5, torch.Generator().manual_seed(3)):

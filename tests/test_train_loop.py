@@ -61,8 +61,8 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     result = run(tiny_shards, tmp_path, *RECORDS_STRUCTURE, *RECORDS_DTYPES, "--num_iterations=8", "--val_loss_every=8",
                  "--save_checkpoint")
     assert result["val_losses"][8] < result["val_losses"][0] - 1.0
-    model, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"), dtype="float32")
-    in_bf16, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"))  # the run's dtype
+    model, _, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"), dtype="float32")
+    in_bf16, _, _ = sample.load_model(result["checkpoints"][-1], torch.device("cpu"))  # the run's dtype
     assert model.rotary.cos.dtype == torch.float32 and in_bf16.rotary.cos.dtype == torch.bfloat16
     state = torch.load(result["checkpoints"][-1], map_location="cpu", weights_only=False)
     assert state["model"]["lm_head.weight"].dtype == state["model"]["smear_gate.weight"].dtype == torch.bfloat16

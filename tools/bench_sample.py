@@ -24,9 +24,9 @@ import sample
 import train_gpt
 
 
-def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int]:
-    """A model of the preset's shape at its end-of-training window (its rotary as training leaves it: rescaled
-    at each window change when the preset's yarn is on), with random weights everywhere (the zero-initialized output layers
+def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[train_gpt.GPT, int, int | None]:
+    """A model of the preset's shape at its end-of-training windows (its rotary as training leaves it: rescaled
+    at each window change when the preset's yarn is on; the long layers' final_long_window), with random weights everywhere (the zero-initialized output layers
     too, so the greedy tokens vary)."""
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS[preset])
     torch.manual_seed(0)
@@ -40,15 +40,15 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
     window = train_gpt.replay_windows(model, args.num_iterations, args)
     trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])
-    return sample.generation_layout(model.to(device).eval()), window
+    return sample.generation_layout(model.to(device).eval()), window, args.final_long_window or None
 
 
 @torch.no_grad()
-def every_position_generation(model: train_gpt.GPT, window: int, tokens: int):
+def every_position_generation(model: train_gpt.GPT, window: int, long_window: int | None, tokens: int):
     """Greedy generation through the training forward's computation: logits at every position."""
     sequence = torch.tensor([train_gpt.EOT_TOKEN], device=model.embed.weight.device)
     for _ in range(tokens):
-        x = model.trunk(sample.pad_to_blocks(sequence), window)
+        x = model.trunk(sample.pad_to_blocks(sequence), window, long_window=long_window)
         logits = model.softcapped_logits(x[0])[sequence.numel() - 1, :model.vocab_size]
         token = int(logits.argmax())
         yield token
@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or (None if device.type == "cuda" else "float32")
     if args.checkpoint:
         try:
-            model, window = sample.load_model(args.checkpoint, device, args.tokens + 1, dtype)
+            model, window, long_window = sample.load_model(args.checkpoint, device, args.tokens + 1, dtype)
         except train_gpt.ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         source = args.checkpoint
     else:
-        model, window = preset_model("cpu", device, dtype)
+        model, window, long_window = preset_model("cpu", device, dtype)
         source = "the cpu preset's model, random weights"
     if args.compile:
         sample.compile_for_generation(model)
@@ -93,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
           f"embeddings, long window {window} blocks, on {device}{threads}{', compiled' if args.compile else ''}; "
           f"{args.tokens} tokens from <|endoftext|>")
     prompt = [train_gpt.EOT_TOKEN]
-    ways = [("KV cache, one position per token", lambda n: sample.generate(model, prompt, n, window, temperature=0)),
+    ways = [("KV cache, one position per token",
+             lambda n: sample.generate(model, prompt, n, window, temperature=0, long_window=long_window)),
             ("whole prefix, lm_head on the last position",
-             lambda n: sample.generate(model, prompt, n, window, temperature=0, use_cache=False)),
-            ("whole prefix, logits at every position", lambda n: every_position_generation(model, window, n))]
+             lambda n: sample.generate(model, prompt, n, window, temperature=0, use_cache=False, long_window=long_window)),
+            ("whole prefix, logits at every position", lambda n: every_position_generation(model, window, long_window, n))]
     cached = cached_tokens = None
     for name, generation in ways:
         warm_up = args.tokens if args.compile else 8

@@ -76,9 +76,11 @@ class KVCache:
         return 0 if self.tokens is None else self.tokens.numel()
 
 
-def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window: int, cache: KVCache | None = None) -> torch.Tensor:
+def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window: int, cache: KVCache | None = None,
+                      long_window: int | None = None) -> torch.Tensor:
     """The logits (padded vocab,) of the token that follows tokens (T,), with a long window of window
-    units (of model.window_unit tokens): one of the model's windows, each of which has its softmax scale.
+    units (of model.window_unit tokens): one of the model's windows, each of which has its softmax scale;
+    long_window, if given, widens the long layers' alone (a run's last validation with final_long_window).
 
     Without a cache, tokens is the whole sequence and this is the training forward (same trunk,
     same masks) on the sequence padded to whole blocks with PAD_TOKEN. With a cache, tokens
@@ -89,22 +91,24 @@ def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window: int, c
     if start + n > model.max_seq_len:
         raise ValueError(f"{start + n} positions exceed the model's max_seq_len={model.max_seq_len}")
     if cache is None:
-        x = model.trunk(pad_to_blocks(tokens), window)
+        x = model.trunk(pad_to_blocks(tokens), window, long_window=long_window)
         return model.softcapped_logits(x[0, n - 1])
     seen = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens])
-    masks = train_gpt.attention_masks(seen, window, "sdpa", first_query=start, unit=model.window_unit)
+    masks = train_gpt.attention_masks(seen, window, "sdpa", first_query=start, unit=model.window_unit,
+                                      long_window=long_window)
     x = model.trunk(tokens, window, masks, cache)
     cache.tokens = seen
     return model.softcapped_logits(x[0, -1])
 
 
 def load_model(path, device: torch.device, min_seq_len: int = 0,
-               dtype: str | None = None) -> tuple[train_gpt.GPT, int]:
+               dtype: str | None = None) -> tuple[train_gpt.GPT, int, int | None]:
     """The model of a train_gpt.py checkpoint in eval mode, with room for min_seq_len positions, in
-    dtype (in_dtype), by default the one it trained in; and the long window (in window units) it had at the
+    dtype (in_dtype), by default the one it trained in; the long window (in window units) it had at the
     checkpoint's step, its rotary frequencies as training left them (they are not in the checkpoint):
-    rescaled at every window change up to there when its yarn is on. A file that does not hold such a model
-    raises a one-line ConfigError naming it."""
+    rescaled at every window change up to there when its yarn is on; and the long layers' own window where
+    the run's last validation widened it (final_long_window), else None. A file that does not hold such a
+    model raises a one-line ConfigError naming it."""
     path = Path(path)
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
@@ -128,8 +132,9 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     if args.rotary_in_run_dtype:  # the tables in the dtype the model runs in, as training held them
         model.rotary.to(run_dtype)
     window = train_gpt.replay_windows(model, state["step"], args)
+    long_window = (args.final_long_window or None) if state["step"] == args.num_iterations else None
     model = in_dtype(model, run_dtype)
-    return generation_layout(model.to(device).eval()), window
+    return generation_layout(model.to(device).eval()), window, long_window
 
 
 def in_dtype(model: train_gpt.GPT, dtype: torch.dtype) -> train_gpt.GPT:
@@ -173,7 +178,8 @@ def choose(logits: torch.Tensor, temperature: float, top_k: int, generator: torc
 
 @torch.no_grad()
 def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, window: int, temperature: float = 1.0,
-             top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True):
+             top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True,
+             long_window: int | None = None):
     """Yields up to max_new_tokens tokens that follow prompt, <|endoftext|> included (the caller
     decides whether a new document may follow). use_cache=False re-runs the whole prefix each step."""
     device = model.embed.weight.device
@@ -181,7 +187,7 @@ def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, windo
     cache = KVCache(model.num_layers, len(prompt) + max_new_tokens) if use_cache else None
     vocab_size = model.vocab_size  # the lm_head's (and embeddings') padding rows are no tokens
     for _ in range(max_new_tokens):
-        logits = next_token_logits(model, new if use_cache else sequence, window, cache)
+        logits = next_token_logits(model, new if use_cache else sequence, window, cache, long_window)
         token = choose(logits[:vocab_size], temperature, top_k, generator)
         yield token
         new = torch.tensor([token], device=device)
@@ -220,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     positions = 1 + len(args.prompt.encode()) + args.max_new_tokens
     try:
         dtype = args.dtype or ("checkpoint" if device.type == "cuda" else "float32")
-        model, window = load_model(args.checkpoint, device, positions, None if dtype == "checkpoint" else dtype)
+        model, window, long_window = load_model(args.checkpoint, device, positions,
+                                                None if dtype == "checkpoint" else dtype)
         if args.compile:
             compile_for_generation(model)
         encoding = get_gpt2_encoding()
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(text.decode(encoding.decode_bytes(prompt[1:])), end="", flush=True)
-        for token in generate(model, prompt, args.max_new_tokens, window, args.temperature, args.top_k, generator):
+        for token in generate(model, prompt, args.max_new_tokens, window, args.temperature, args.top_k, generator,
+                              long_window=long_window):
             if token == EOT:
                 break
             print(text.decode(encoding.decode_single_token_bytes(token)), end="", flush=True)
