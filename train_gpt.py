@@ -224,14 +224,13 @@ def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype =
     else:
         X = X / (norm + 1e-7)
     # Each line rounds once, as the record's kernels do: A = X X^T, B = b A + c A A^T, X = a X + B X, the last two as
-    # one scaled product and sum each (addmm, or baddbmm over the matrices of a stack).
+    # one scaled product and sum each; over a stack, a lone matrix as a stack of one, as the record's stacked calls.
     shape = X.shape
-    X = X.contiguous() if X.ndim <= 3 else X.reshape(-1, *shape[-2:])
-    product_and_sum = torch.addmm if X.ndim == 2 else torch.baddbmm
+    X = X.reshape(-1, *shape[-2:]).contiguous()
     for a, b, c in coeffs:
         A = X @ X.mT
-        B = product_and_sum(A, A, A.mT, beta=b, alpha=c)
-        X = product_and_sum(X, B, X, beta=a)
+        B = torch.baddbmm(A, A, A.mT, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
     X = X.view(shape)
     return X.mT if transposed else X
 
@@ -1130,7 +1129,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record; presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2025-10-24 NorMuon); presets override some of them
 
 
 @dataclass
@@ -1139,19 +1138,19 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in sorted order
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of validation shards
     val_tokens: int = 10_485_760  # validation tokens; fixed so runs stay comparable
-    seq_len: int = 48 * 1024  # training tokens per sequence (one sequence per rank per micro-step)
+    seq_len: int = 32 * 1024  # training tokens per sequence (one sequence per rank per micro-step)
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 1670  # optimizer steps
-    extension_steps: int = 0  # the last of num_iterations run past the window schedule, at its last window, the lr decaying through them (2025-10-24: 40)
-    cooldown_frac: float = 0.5  # final fraction of training in which the lr decays linearly to 0.1x
-    val_loss_every: int = 125  # validate every N steps from step 0, and at the end; 0: only at the end
+    num_iterations: int = 2315  # optimizer steps
+    extension_steps: int = 40  # the last of num_iterations run past the window schedule, at its last window, the lr decaying through them
+    cooldown_frac: float = 0.45  # final fraction of training in which the lr decays linearly to 0.1x
+    val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of training; short-window layers get half (rounded down)
     final_window: int = 13  # long window in window units for the final validation
-    final_long_window: int = 0  # the long layers' window there, after YaRN to final_window (records from 2025-09-21: 20); 0: final_window
+    final_long_window: int = 20  # the long layers' window there, after YaRN to final_window; 0: final_window
     window_unit: int = 128  # tokens per window unit (the record: one 128-token block)
     yarn: bool = True  # rescale the rotary frequencies (YaRN) at each window change, as the record; false: keep them
     # model
@@ -1164,32 +1163,32 @@ class Hyperparameters:
     value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
     attn_gates: bool = True  # a learned per-head gate on each attention output, trained by Muon (the record's sparse attention gate)
     first_layer_mlp: bool = False  # an MLP in layer 0 (the record has none)
-    first_layer_attention: bool = True  # attention in layer 0; off (with first_layer_mlp off), block 0 is empty and skipped (records from 2025-09-21)
-    smear: bool = False  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
-    skip_gates: bool = False  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
-    backout_layer: int = -1  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04: 8); -1: none
-    rotary_in_run_dtype: bool = False  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
-    head_and_gates_in_run_dtype: bool = False  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
-    loss_in_run_dtype: bool = False  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
+    first_layer_attention: bool = False  # attention in layer 0; off (with first_layer_mlp off), block 0 is empty and skipped (records from 2025-09-21)
+    smear: bool = True  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
+    skip_gates: bool = True  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
+    backout_layer: int = 8  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
+    rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
+    head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
+    loss_in_run_dtype: bool = True  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
     attention_scale: float = 0.1  # softmax scale in the first window stage
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.6  # Adam lr for token and value embeddings
     scalar_lr: float = 0.04  # Adam lr for skip weights and mixing lambdas
-    adam_beta1: float = 0.8  # Adam first-moment decay
+    adam_beta1: float = 0.65  # Adam first-moment decay
     adam_beta2: float = 0.95  # Adam second-moment decay
-    adam_eps: float = 1e-10  # Adam epsilon
-    adam_every: int = 1  # Adam steps every N steps, the last of each N, on their summed gradients (2025-09-30: 2, the odd steps)
-    adam_state_in_run_dtype: bool = False  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
-    muon_lr: float = 0.05  # Muon lr for hidden matrices
+    adam_eps: float = 1e-8  # Adam epsilon
+    adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
+    adam_state_in_run_dtype: bool = True  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
+    muon_lr: float = 0.06  # Muon lr for hidden matrices
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
-    muon_momentum_cooldown_steps: int = 0  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30: 50)
-    muon_neuron_beta2: float = 0.0  # NorMuon (Li et al., 2025) as the 2025-10-24 record computes it: EMA decay of each neuron's update mean square (0.95 there); 0: off
+    muon_momentum_cooldown_steps: int = 50  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30)
+    muon_neuron_beta2: float = 0.95  # NorMuon (Li et al., 2025) as the 2025-10-24 record computes it: EMA decay of each neuron's update mean square; 0: off
     muon_cautious_wd: float = 0.0  # cautious weight decay on Muon's matrices (Chen et al., 2025), ramping linearly to 0 over training; best ~ 1/width^2; 0: off (the record)
-    orthogonalizer: str = "newton_schulz"  # Muon's orthogonalization: newton_schulz (the record's quintic, 5 steps) or polar_express (ours: closer to the polar factor; unmeasured on H100)
+    orthogonalizer: str = "polar_express"  # Muon's orthogonalization: polar_express (records from 2025-09-29) or newton_schulz (the earlier records' quintic)
     # systems
     dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
@@ -1239,9 +1238,23 @@ PRESETS = {
         embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
-        muon_neuron_beta2=0.95,  # NorMuon: lower losses on every paired seed
         muon_cautious_wd=2.0,  # lower losses than 0 (off), 0.2, 0.7 and 5
-        orthogonalizer="polar_express",  # what the track_cpu records were made with
+        # The 2025-09-11 to 10-24 records' other pieces, as the 09-10 record had them: unmeasured at this size.
+        extension_steps=0,
+        final_long_window=0,
+        first_layer_attention=True,
+        smear=False,
+        skip_gates=False,
+        backout_layer=-1,
+        rotary_in_run_dtype=False,
+        head_and_gates_in_run_dtype=False,
+        loss_in_run_dtype=False,
+        adam_beta1=0.8,
+        adam_eps=1e-10,
+        adam_every=1,
+        adam_state_in_run_dtype=False,
+        muon_lr=0.05,
+        muon_momentum_cooldown_steps=0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
         exact_grad_sum=False,  # costs time every step; tests comparing world sizes switch it on
@@ -1517,7 +1530,7 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     """From muon_momentum_start up to muon_momentum_end over the warm-up, and back over the cooldown's last steps."""
     if step < args.muon_momentum_warmup_steps:
         frac = step / args.muon_momentum_warmup_steps
-        return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+        return args.muon_momentum_start + frac * (args.muon_momentum_end - args.muon_momentum_start)
     cooldown_start = args.num_iterations - args.muon_momentum_cooldown_steps
     if args.muon_momentum_cooldown_steps and step > cooldown_start:
         frac = (step - cooldown_start) / args.muon_momentum_cooldown_steps

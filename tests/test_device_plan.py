@@ -42,18 +42,18 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
                  "fp8 lm_head: on (compute capability 9.0), gradient scale record",
                  "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)",
                  "deterministic algorithms: off (CUDA: the record's kernels)",
-                 "optimizers: Muon with newton_schulz; both compiled",
+                 "optimizers: Muon with polar_express; both compiled",
                  "dtype: bfloat16", "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True"):
         assert line in plan.lines, line
     eager = train_gpt.plan_device(dataclasses.replace(args, compile=False), CUDA, "x")
     assert eager.attention == "flex" and not eager.compile
     assert ("attention: FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps "
             "the rest eager)") in eager.lines
-    small = dataclasses.replace(args, num_layers=2, model_dim=64, num_heads=1, head_dim=64, vocab_size=1000)
+    small = dataclasses.replace(args, model_dim=64, num_heads=1, head_dim=64, vocab_size=1000)
     model = train_gpt.build_model(small, 256, plan)  # built on the CPU, as the Trainer builds it before moving it
     assert model.attention_backend == "flex" and model.loss_chunk == 0
     assert model.lm_head.fp8_scales == train_gpt.lm_head_fp8_scales(64, "record")
-    assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    assert model.embed.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16  # the record's bf16 head
     adam, muon = train_gpt.build_optimizers(model, small, plan=plan)
     assert muon.orthogonalize is train_gpt.compiled_on_first_use(train_gpt.orthogonalize)
     assert adam.update is train_gpt.compiled_on_first_use(train_gpt.adam_update)

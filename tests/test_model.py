@@ -27,6 +27,11 @@ T = 512  # 4 blocks of 128
 WINDOWS = (1, 2, 4)  # the long windows (in blocks) the tests' models know: each has its softmax scale
 
 
+# The 2025-09-10 record's layout at a few layers (attention in layer 0, no smear, ungated skips, no backout): the
+# record's later layout needs 4 layers or more and a backout layer among them.
+EARLIER_STRUCTURE = dict(first_layer_attention=True, smear=False, skip_gates=False, backout_layer=-1)
+
+
 def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, loss_chunk=0, first_layer_mlp=False):
     """Width 32, 2 heads of 16 (a multiple of 4, as rotary needs)."""
     torch.manual_seed(seed)
@@ -331,7 +336,7 @@ def test_rotary_in_bf16_computes_what_the_records_from_2025_09_11_do():
         x1, x2 = x.chunk(2, dim=-1)
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         assert torch.equal(rotary(x), torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), 3))
-    args = train_gpt.Hyperparameters(num_layers=2, num_heads=1, head_dim=32, model_dim=32, vocab_size=256)
+    args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=2, num_heads=1, head_dim=32, model_dim=32, vocab_size=256)
     plan = train_gpt.plan_device(args, torch.device("cpu"))
     for asked, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         built = train_gpt.build_model(dataclasses.replace(args, rotary_in_run_dtype=asked), 256, plan)
@@ -341,8 +346,8 @@ def test_rotary_in_bf16_computes_what_the_records_from_2025_09_11_do():
 def test_rotary_without_rescale_keeps_the_base_frequencies():
     """A model's rotary starts at the base frequencies, and a window that does not change leaves them
     (and the tables) as they were, bit for bit."""
-    args = train_gpt.Hyperparameters(num_layers=2, model_dim=32, num_heads=2, head_dim=16, window_stages=(2, 2, 4),
-                                     final_window=4, num_iterations=8)
+    args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=2, model_dim=32, num_heads=2, head_dim=16, window_stages=(2, 2, 4),
+                                     final_window=4, num_iterations=8, extension_steps=0)
     model = train_gpt.build_model(args, T)
     by_hand = base_frequencies_by_hand(16)
     assert_within(model.rotary.freqs, by_hand, BASE_FREQUENCY_ERROR * by_hand, "base frequencies")
@@ -772,7 +777,7 @@ def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projectio
 def test_attention_gates_train_with_muon_and_draw_before_being_zeroed():
     """The record's gates are Muon matrices (6 x 12 at width 768, 2 x 12 here); each is drawn (then
     zeroed), so the model with gates draws its later weights from a later point of the random stream."""
-    args = train_gpt.Hyperparameters(num_layers=4, model_dim=128, num_heads=2, head_dim=64)
+    args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=4, model_dim=128, num_heads=2, head_dim=64)
     assert args.attn_gates  # the record's default
     torch.manual_seed(0)
     model = train_gpt.build_model(args, T)
@@ -787,7 +792,7 @@ def test_attention_gates_train_with_muon_and_draw_before_being_zeroed():
 
 
 def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
-    args = train_gpt.Hyperparameters(num_layers=4, model_dim=32, num_heads=2, head_dim=16, value_embed_gates=True)
+    args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=4, model_dim=32, num_heads=2, head_dim=16, value_embed_gates=True)
     model = train_gpt.build_model(args, T)
     gated = [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.ve_gate is not None]
     assert gated == [i for i, t in enumerate(model.ve_layout) if t is not None] == [0, 3]

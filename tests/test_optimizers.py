@@ -163,10 +163,10 @@ def test_each_line_of_the_iteration_rounds_once_as_the_records_kernels_do(method
     G = random_matrices(shape, 0)
     with TorchCalls() as run:
         train_gpt.orthogonalize(G, method)
-    stored = [result for name, result, _ in run.calls if name in ("contiguous", "reshape", "matmul", "addmm", "baddbmm")]
-    X, lines = stored[0], stored[1:]
+    X = [result for name, result, _ in run.calls if name in ("contiguous", "reshape")][-1]  # the stack iterated on
+    lines = [result for name, result, _ in run.calls if name in ("matmul", "baddbmm")]
     coeffs = train_gpt.ORTHOGONALIZERS[method]
-    assert len(lines) == 3 * len(coeffs) and all(t.dtype == torch.bfloat16 for t in stored)
+    assert len(lines) == 3 * len(coeffs) and all(t.dtype == torch.bfloat16 for t in [X, *lines])
     u, size = UNIT_ROUNDOFF[torch.bfloat16], max(X.shape[-2:])
     for (a, b, c), (A, B, X_next) in zip(coeffs, zip(*[iter(lines)] * 3)):
         x, gram, poly = X.double(), A.double(), B.double()
@@ -285,12 +285,12 @@ def record_muon(rank: int, world_size: int) -> train_gpt.Muon:
 
 
 def test_record_muon_work_is_balanced_over_8_ranks():
-    """Each of 8 ranks orthogonalizes its share of the record model's 44 matrices (11 q/k/v/o stacks, 11
-    attention gates, 22 MLP matrices: layer 0 has no MLP); per-rank FLOPs
-    within 1.25x of each other (dealing by shape group, 11 qkv matrices over 8 ranks left 2 ranks idle)."""
+    """Each of 8 ranks orthogonalizes its share of the record model's 43 matrices (10 q/k/v/o stacks, 10
+    attention gates, 22 MLP matrices and the smear gate: layers 0 and 7 have no attention, 0 no MLP); per-rank
+    FLOPs within 1.25x of each other (dealing by shape group, 11 qkv matrices over 8 ranks left 2 ranks idle)."""
     muons = [record_muon(rank, 8) for rank in range(8)]
     params = muons[0].param_groups[0]["params"]
-    assert len(params) == 44
+    assert len(params) == 43
     flops = [sum(train_gpt.orthogonalization_flops(p.shape) for p in mine) for mine in muons[0].dealt]
     assert muons[0].flops_per_rank == flops  # what the log reports
     print("record Muon orthogonalization GFLOPs per rank (8 ranks):", [round(f / 1e9, 1) for f in flops])
@@ -344,11 +344,12 @@ def test_lr_multiplier(args):
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (1670 steps, cooldown 0.5: from step 835, still 1.0 there, below 1 after)."""
-    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 834, 835, 1670)} == {0: 1.0, 834: 1.0, 835: 1.0,
-                                                                                          1670: 0.1}
-    assert train_gpt.lr_multiplier(836, RECORD) == pytest.approx(1 - 0.9 / 835, abs=lr_rounding(RECORD))
-    assert train_gpt.lr_multiplier(836, RECORD) < 1
+    """Spot values for the record (2315 steps, cooldown 0.45: 1.0 through step 1273, below 1 from 1274, when
+    step / 2315 passes 0.55)."""
+    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 1273, 2315)} == {0: 1.0, 1273: 1.0, 2315: 0.1}
+    assert train_gpt.lr_multiplier(1274, RECORD) == pytest.approx(1 - 0.9 * (1274 - 0.55 * 2315) / (0.45 * 2315),
+                                                                  abs=lr_rounding(RECORD))
+    assert train_gpt.lr_multiplier(1274, RECORD) < 1
 
 
 def test_muon_momentum():
@@ -364,40 +365,37 @@ def test_muon_momentum():
 
 @pytest.mark.parametrize("args", [RECORD, CPU], ids=["record", "cpu"])
 def test_window_at(args):
-    """Steps 0..N-1 go through the stages in order, in parts that differ by at most one when the last
-    counts step N, which alone (the final validation) has final_window."""
-    N, stages = args.num_iterations, args.window_stages
+    """Steps 0..N-1 go through the stages in order, in parts that differ by at most one when the last counts step N
+    (the final validation, which alone has final_window) and not the extension steps after the schedule's end."""
+    N, E, stages = args.num_iterations, args.extension_steps, args.window_stages
     values = [train_gpt.window_at(step, args) for step in range(N + 1)]
     assert values[-1] == args.final_window
     runs = [(window, len(list(steps))) for window, steps in itertools.groupby(values[:-1])]
     assert [window for window, _ in runs] == list(stages)  # each stage once, in order
     parts = [length for _, length in runs]
-    parts[-1] += 1  # the final validation's step
-    assert max(parts) - min(parts) <= 1 and sum(parts) == N + 1
+    parts[-1] += 1 - E  # the final validation's step; the extension's
+    assert max(parts) - min(parts) <= 1 and sum(parts) == N - E + 1
 
 
 def test_window_at_record_boundaries():
-    """3, 7, 11 over steps 0-556, 557-1113 and 1114-1669; 13 for the final validation at 1670."""
-    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1670)
-    values = {0: 3, 556: 3, 557: 7, 1113: 7, 1114: 11, 1669: 11, 1670: 13}
+    """3, 7, 11 over steps 0-758, 759-1517 and 1518-2314 (the last 40 past the schedule's 2275); 13 for the final
+    validation at 2315."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 2315)
+    values = {0: 3, 758: 3, 759: 7, 1517: 7, 1518: 11, 2314: 11, 2315: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
     cpu_steps = (0, 52, 53, 104, 105, 156, 157, 208, 209, 259, 260)  # 5 stages over 261 positions: 53, then 52 each
     assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32]
     # a case where dividing by N instead of N + 1 would show: 5 stages over 10 steps
-    short = dataclasses.replace(RECORD, num_iterations=10, window_stages=(1, 2, 3, 4, 5), final_window=6)
+    short = dataclasses.replace(RECORD, num_iterations=10, extension_steps=0, window_stages=(1, 2, 3, 4, 5), final_window=6)
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 6]
-
-
-NORMUON_SCHEDULE = dataclasses.replace(RECORD, num_iterations=2315, extension_steps=40, muon_momentum_cooldown_steps=50)
 
 
 def test_the_2025_10_24_schedules_at_every_step():
     """2275 scheduled steps and 40 more (2315), at every step against the record's functions written out: get_ws
     switches windows at 759 and 1518 and holds 11 through the extension; get_lr decays over all 2315 steps; after
-    the warm-up, get_muon_momentum is 0.95 exactly until the last 50 steps, then falls to 0.85 (the same float
-    operations: equal). The warm-up's float form is Yarn's here (the record's 0.85 + f (0.95 - 0.85) differs in
-    the last bits): it changes with the record preset. A cooldown reaching into the warm-up leaves the warm-up."""
-    args = dataclasses.replace(NORMUON_SCHEDULE, cooldown_frac=0.45)
+    get_muon_momentum rises from 0.85 over 300 steps, is 0.95 exactly until the last 50, then falls to 0.85 (the
+    same float operations: equal). A cooldown reaching into the warm-up leaves the warm-up."""
+    args = RECORD
 
     def record_lr(step):
         x = min(0.9999, step / 2315)
@@ -409,9 +407,11 @@ def test_the_2025_10_24_schedules_at_every_step():
     for step in range(args.num_iterations):
         assert train_gpt.window_at(step, args) == (3, 7, 11)[int(3 * min(step / 2276, 0.9999))], step
         assert train_gpt.lr_multiplier(step, args) == record_lr(step), step
-        if step >= 300:
+        if step < 300:
+            expected = 0.85 + (step / 300) * (0.95 - 0.85)
+        else:
             expected = 0.95 - ((step - 2265) / 50) * (0.95 - 0.85) if step > 2265 else 0.95
-            assert train_gpt.muon_momentum(step, args) == expected, step
+        assert train_gpt.muon_momentum(step, args) == expected, step
     assert [train_gpt.window_at(s, args) for s in (758, 759, 1517, 1518, 2314, 2315)] == [3, 7, 7, 11, 11, 13]
     overlapping = dataclasses.replace(args, num_iterations=320)  # the cooldown would start at 270
     assert train_gpt.muon_momentum(280, overlapping) == train_gpt.muon_momentum(280, RECORD) < 0.95
@@ -434,7 +434,7 @@ def test_attention_scales_record():
     assert train_gpt.attention_scales((2, 4, 8), 0.1, growth=0.5) == {
         2: 0.1, 4: 0.1 * (1 + 0.5 * math.log(2)), 8: 0.1 * (1 + 0.5 * math.log(2)) * (1 + 0.5 * math.log(2))}
     assert train_gpt.attention_scales((2, 4, 8), 0.12, growth=0) == {2: 0.12, 4: 0.12, 8: 0.12}
-    model = train_gpt.build_model(dataclasses.replace(RECORD, num_layers=2, model_dim=64, num_heads=1, head_dim=64), 128)
+    model = train_gpt.build_model(dataclasses.replace(RECORD, model_dim=64, num_heads=1, head_dim=64), 128)
     assert model.attention_scales == scales
 
 
@@ -452,7 +452,7 @@ class RescaleSpy:
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
     cpu_changes = [(53, (2, 4)), (105, (4, 8)), (157, (8, 16)), (209, (16, 32))]
-    for args, expected in ((RECORD, [(557, (3, 7)), (1114, (7, 11)), (1670, (11, 13))]),
+    for args, expected in ((RECORD, [(759, (3, 7)), (1518, (7, 11)), (2315, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):

@@ -492,8 +492,8 @@ def test_a_corrupt_later_shard_is_refused_when_the_stream_is_made(tmp_path):
 @pytest.mark.numerics
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by lr * sign(grad) (as the record's formula by hand, within its
-    float32 rounding), so each group's lr shows."""
-    args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)
+    float32 rounding, its moments float32 here), so each group's lr shows."""
+    args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64, adam_state_in_run_dtype=False)
     model = train_gpt.GPT(args.vocab_size, 2, 1, 64, 64, 128)
     adam, muon = train_gpt.build_optimizers(model, args)
     groups = {tuple(map(id, g["params"])): g["lr"] for g in adam.param_groups}
@@ -608,27 +608,35 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2025-09-10) choices; the project's own are settings."""
+    """The record preset keeps the published record's (2025-10-24 NorMuon) choices; the project's own are settings."""
     args, _ = train_gpt.parse_args([], "record")
-    assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr) == ("newton_schulz", "record", 0.05)
-    assert (args.num_iterations, args.cooldown_frac, args.head_lr, args.embed_lr, args.scalar_lr) == (1670, 0.5, 0.008, 0.6, 0.04)
-    assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.8, 0.95, 1e-10)
+    assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr, args.muon_neuron_beta2) == (
+        "polar_express", "record", 0.06, 0.95)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (2315, 40, 0.45)
+    assert (args.head_lr, args.embed_lr, args.scalar_lr) == (0.008, 0.6, 0.04)
+    assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.adam_every) == (0.65, 0.95, 1e-8, 2)
+    assert (args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps) == (300, 50)
+    assert (args.seq_len, args.batch_slots, args.val_loss_every) == (32768, 8, 250)
     assert args.attn_gates and args.packed_doc_len == 2048 and args.warmup_steps == 30
-    assert (args.window_stages, args.final_window, args.attention_scale, args.first_layer_mlp) == ((3, 7, 11), 13, 0.1, False)
-    assert args.yarn
+    assert (args.window_stages, args.final_window, args.final_long_window, args.attention_scale) == ((3, 7, 11), 13, 20, 0.1)
+    assert (args.first_layer_mlp, args.first_layer_attention, args.smear, args.skip_gates, args.backout_layer) == (
+        False, False, True, True, 8)
+    assert args.yarn and args.rotary_in_run_dtype and args.head_and_gates_in_run_dtype and args.adam_state_in_run_dtype
+    assert args.loss_in_run_dtype
     # the ideas under measurement on the CPU track are off
-    assert (args.loss_chunk, args.muon_neuron_beta2, args.muon_cautious_wd, args.value_embed_layout,
-            args.value_embed_gates, args.dtype) == (0, 0.0, 0.0, "u", False, "bfloat16")
+    assert (args.loss_chunk, args.muon_cautious_wd, args.value_embed_layout, args.value_embed_gates, args.dtype) == (
+        0, 0.0, "u", False, "bfloat16")
+    train_gpt.check_hyperparameters(args, 8)
     assert train_gpt.lm_head_fp8_scales(args.model_dim, args.fp8_grad_scale) == (768**0.5 / 448, 2**-9, 1 / 448)
     model = train_gpt.GPT(1024, 2, 1, 64, 64, 128, fp8=True, fp8_grad_scale=args.fp8_grad_scale)
     assert model.lm_head.fp8_scales[2] == 1 / 448
-    assert train_gpt.build_optimizers(model, args)[1].method == "newton_schulz"
+    assert train_gpt.build_optimizers(model, args)[1].method == "polar_express"
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
-    assert "--orthogonalizer='newton_schulz'" in help_text and "--fp8_grad_scale='record'" in help_text
-    for shown in ("--num_iterations=1670", "--cooldown_frac=0.5", "--window_stages=3,7,11", "--final_window=13",
-                  "--packed_doc_len=2048", "--warmup_steps=30", "--first_layer_mlp=False", "--attention_scale=0.1",
-                  "--yarn=True"):
+    assert "--orthogonalizer='polar_express'" in help_text and "--fp8_grad_scale='record'" in help_text
+    for shown in ("--num_iterations=2315", "--extension_steps=40", "--cooldown_frac=0.45", "--window_stages=3,7,11",
+                  "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",
+                  "--first_layer_mlp=False", "--attention_scale=0.1", "--yarn=True", "--adam_every=2"):
         assert shown in help_text, shown
 
 

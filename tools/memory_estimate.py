@@ -1,7 +1,7 @@
 """Estimate the training memory of a preset's model per GPU from what it saves for backward on CPU.
 
-    python tools/memory_estimate.py                          # the record model, seq_len 48K .. 6K
-    python tools/memory_estimate.py --seq_lens 49152 12288
+    python tools/memory_estimate.py                          # the record model, seq_len 32K .. 4K
+    python tools/memory_estimate.py --seq_lens 32768 8192
 
 Runs the forward in eager mode on CPU with bf16 activations at two sequence lengths and counts the
 bytes autograd saves (parameters excluded); the difference gives the bytes per token, the rest the
@@ -40,7 +40,7 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
-        logits = model.softcapped_logits(x)
+        logits = train_gpt.softcap(model.lm_head(train_gpt.norm(x)), model.softcap_in_run_dtype)  # training's softcap
         F.cross_entropy(logits.view(-1, logits.size(-1)), tokens[1:], reduction="sum")
     return trunk, sum(storages.values()) - trunk
 
@@ -48,7 +48,7 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="record", choices=list(train_gpt.PRESETS))
-    parser.add_argument("--seq_lens", type=int, nargs="+", default=[49152, 24576, 12288, 6144])
+    parser.add_argument("--seq_lens", type=int, nargs="+", default=[32768, 16384, 8192, 4096])
     args = parser.parse_args(argv)
     hp = train_gpt.Hyperparameters(**train_gpt.PRESETS[args.preset])
     torch.manual_seed(0)
@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     adam_params = [model.lm_head.weight, model.embed.weight, *(t.weight for t in model.value_embeds), model.scalars]
     muon_bytes = sum(4 * p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
-    fixed = 2 * weights + 2 * sum(p.numel() * p.element_size() for p in adam_params) + muon_bytes + casts
-    logit_grad = 4 * model.lm_head.weight.size(0)  # float32 gradient of one position's logits
+    adam_state_bytes = sum(p.numel() * (2 if hp.adam_state_in_run_dtype else p.element_size()) for p in adam_params)
+    fixed = 2 * weights + 2 * adam_state_bytes + muon_bytes + casts
+    logit_grad = (2 if hp.loss_in_run_dtype else 4) * model.lm_head.weight.size(0)  # gradient of one position's logits
     print(f"{args.preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters: saved for backward "
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
           f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "
