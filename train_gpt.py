@@ -800,7 +800,7 @@ class GPT(nn.Module):
         the long layers' alone). Training returns the summed loss, eval the mean, EVAL_LOSS_CHUNK positions at a time."""
         x = self.trunk(input_seq, window, long_window=long_window)
         if self.training and not self.loss_chunk:
-            logits = softcap(self.lm_head(norm(x)), self.softcap_in_run_dtype)
+            logits = self.softcapped_logits(x, self.softcap_in_run_dtype)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
         loss = ChunkedSoftcapLoss.loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq,
                                        self.loss_chunk if self.training else EVAL_LOSS_CHUNK,
@@ -850,9 +850,10 @@ class GPT(nn.Module):
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
         return e if before is None else e[1:]
 
-    def softcapped_logits(self, x: Tensor) -> Tensor:
-        """float32 logits over the padded vocabulary from the final residual stream."""
-        return softcap(self.lm_head(norm(x)))
+    def softcapped_logits(self, x: Tensor, in_run_dtype: bool = False) -> Tensor:
+        """Logits over the padded vocabulary from the final residual stream: float32, or softcapped in the run's dtype
+        (training's with loss_in_run_dtype)."""
+        return softcap(self.lm_head(norm(x)), in_run_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1508,6 +1509,17 @@ def window_at(step: int, args: Hyperparameters) -> int:
     return stages[min(len(stages) * step // (args.num_iterations - args.extension_steps + 1), len(stages) - 1)]
 
 
+def long_window_at(step: int, args: Hyperparameters) -> int | None:
+    """The long layers' own window at step, in window units: final_long_window at the last validation where set; else
+    None (the long layers take window_at's)."""
+    return (args.final_long_window or None) if step == args.num_iterations else None
+
+
+def adam_steps_at(step: int, args: Hyperparameters) -> bool:
+    """Whether Adam steps at step: the last of every adam_every steps, on their summed gradients."""
+    return (step + 1) % args.adam_every == 0
+
+
 def move_window(model: GPT, window: int, step: int, args: Hyperparameters) -> int:
     """The long window of step, the rotary frequencies rescaled (YaRN, unless args.yarn is off) when it differs from
     window, the model's until now. Rescales compound: a model restored at step s moves through steps 0..s."""
@@ -1588,7 +1600,7 @@ class Trainer:
     def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One optimizer step (Adam's only every adam_every steps, on their summed gradients); returns the mean training
         loss per token as a device tensor (no sync)."""
-        adam_steps = (step + 1) % self.args.adam_every == 0
+        adam_steps = adam_steps_at(step, self.args)
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             if self.buckets is not None:
@@ -1628,7 +1640,7 @@ class Trainer:
     def validate(self, step: int, val_sequences: Tensor) -> float:
         """Mean loss per token over every validation sequence, split across ranks; the last validation's long layers
         at final_long_window where set."""
-        long_window = (self.args.final_long_window or None) if step == self.args.num_iterations else None
+        long_window = long_window_at(step, self.args)
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for seq in val_sequences[self.rank::self.world_size]:
@@ -1731,7 +1743,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             save(step + 1, periodic=True)
             t0 = time.perf_counter()
         signum = stop.agreed()
-        if signum and (step + 1) % args.adam_every == 0:  # else Adam's summed gradients would be lost: the next step
+        if signum and adam_steps_at(step, args):  # else Adam's summed gradients would be lost: the next step
             pause_clock()
             raise support.stopped_after(signum, step + 1, save, checkpoints, run_id, argv, world_size, log)
     if args.save_checkpoint:

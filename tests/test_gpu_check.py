@@ -102,7 +102,7 @@ def test_the_bench_report_projects_the_run_from_each_stage(monkeypatch):
     result = dict(stages=[(1, 100.0, 1e3), (2, 200.0, 2e3)], peak_memory="peak memory (RSS): 1 MiB", dtype="float32",
                   compile=False, micro_steps=4)
     lines = gpu_check.bench_report(args, preset, result, 2, torch.device("cpu")).splitlines()
-    # 8 x 256 tokens in 0.1 s: 20,480 tokens/s; x 1e3 FLOPs per token over 2 processes' 1e9: 1.024%
+    # by hand: the step's tokens over its time, then times the FLOPs per token over the processes' summed peak
     assert lines[1] == "window 1 (32 tokens), 4 steps: 100.0 ms/step, 20,480 tokens/s, MFU 1.0%"
     assert lines[2] == "window 2 (64 tokens), 2 steps: 200.0 ms/step, 10,240 tokens/s, MFU 1.0%"
     assert lines[4].startswith("projected training time of 6 steps: 0.8 s here, 0.2 s on 8 such GPUs (assumed: ")

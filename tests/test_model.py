@@ -893,7 +893,7 @@ def test_the_records_dtypes_round_the_head_the_gates_and_the_loss():
     inputs, targets = documents()
     loss = rounded.train()(inputs, targets, 2)
     x = train_gpt.norm(rounded.trunk(inputs, 2))
-    logits = train_gpt.softcap(torch.nn.functional.linear(x, rounded.lm_head.weight), in_z_dtype=True)
+    logits = train_gpt.softcap(torch.nn.functional.linear(x, rounded.lm_head.weight), in_z_dtype=True)  # by hand
     assert loss.dtype == torch.bfloat16
     assert torch.equal(loss, torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum"))
     with torch.no_grad():

@@ -40,7 +40,7 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
     window = train_gpt.replay_windows(model, args.num_iterations, args)
     trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])
-    return sample.generation_layout(model.to(device).eval()), window, args.final_long_window or None
+    return sample.generation_layout(model.to(device).eval()), window, train_gpt.long_window_at(args.num_iterations, args)
 
 
 @torch.no_grad()

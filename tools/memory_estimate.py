@@ -40,7 +40,7 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
-        logits = train_gpt.softcap(model.lm_head(train_gpt.norm(x)), model.softcap_in_run_dtype)  # training's softcap
+        logits = model.softcapped_logits(x, model.softcap_in_run_dtype)  # training's
         F.cross_entropy(logits.view(-1, logits.size(-1)), tokens[1:], reduction="sum")
     return trunk, sum(storages.values()) - trunk
 
