@@ -259,17 +259,24 @@ NORMUON_EPS = 1e-10  # the floor of NorMuon's divisors (the record's clamp_min):
 
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden matrices (..., rows, cols). Each rank owns the matrices
-    dealt to it by FLOPs, orthogonalizes each alone and all-gathers the updates: the same bits at any world size."""
+    dealt to it by FLOPs, orthogonalizes each alone and all-gathers the updates: the same bits at any world size.
+    lr_mul: a factor on some matrices' lr (the others 1)."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
-                 weight_decay: float = 0.0, compiled: bool = False):
+                 weight_decay: float = 0.0, lr_mul: dict | None = None, compiled: bool = False):
         # Larger matrices first: rounds then pair matrices of similar size, wasting little padding.
         params = sorted(params, key=lambda p: -p.numel())
         super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                                      weight_decay=weight_decay))
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
         self.neuron_beta2 = neuron_beta2
+        # The record's per-matrix factors, tensors in the matrix's dtype made once: sqrt(max(1, rows/cols)) x lr_mul on
+        # the lr (a bf16 gate's lr then rounds to bf16), and 1 on the weight decay.
+        self.lr_mul = lr_mul or {}
+        self.lr_factor = {p: max(1.0, p.size(-2) / p.size(-1)) ** 0.5 * p.new_tensor([self.lr_mul.get(p, 1.0)])
+                          .view([1] * p.ndim) for p in params}
+        self.wd_factor = {p: p.new_ones([1] * p.ndim) for p in params}
         self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
         costs = [orthogonalization_flops(p.shape) for p in params]
         dealt = deal_by_cost(costs, world_size)
@@ -313,28 +320,26 @@ class Muon(torch.optim.Optimizer):
         lr, weight_decay = group["lr"], group["weight_decay"]
         for k, p in enumerate(round_params):
             if p is not None:
-                rows, cols = p.shape[-2:]
                 update = gathered[k * size:k * size + p.numel()].view_as(p)
                 if weight_decay:
-                    # Cautious: decay only the entries that this step also moves toward zero.
-                    p.sub_(p * (update * p > 0) * (lr * weight_decay))
-                p.add_(update.to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
+                    # Cautious: decay only where the update moves the entry toward zero (or leaves it), by lr x lr wd.
+                    update.addcmul_(p, lr * weight_decay * self.wd_factor[p] * (update * p >= 0))
+                p.addcmul_(update, -(lr * self.lr_factor[p]))
 
     def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
-        """NorMuon (Li et al., 2025) as the 2025-10-24 record computes it, in place in the update's dtype: divide by the
-        root of an EMA of its mean square per neuron (per column of a wide matrix, per row otherwise), then scale
-        back to the update's Frobenius norm. A (k, m, n) stack is the record's (m, k n) matrix (q, k, v, o side by
-        side), whose columns pool the four."""
-        matrix = update.reshape(update.size(-2), -1)  # a view, unless orthogonalize returned a transpose
-        norm_before = matrix.norm(dim=(-2, -1), keepdim=True)
-        mean_square = (matrix * matrix).mean(dim=-1 if matrix.size(0) >= matrix.size(1) else -2, keepdim=True)
+        """NorMuon (Li et al., 2025) as the records from 2025-10-27 compute it, in place in the update's dtype: divide
+        each matrix of the stack by the root of an EMA (in p's dtype) of its mean square per neuron, then scale it back
+        to its Frobenius norm. Neurons are columns when p, stored as the record's (m, k n) matrix, is wide; else rows."""
+        rows, cols = p.size(-2), p.numel() // p.size(-2)
+        norm_before = update.norm(dim=(-2, -1), keepdim=True)
+        mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)
         state = self.state[p]
         if "neuron_second_moment" not in state:
-            state["neuron_second_moment"] = torch.zeros_like(mean_square, dtype=torch.float32)
-        second_moment = state["neuron_second_moment"].lerp_(mean_square.float(), 1 - self.neuron_beta2)
-        matrix.mul_(1 / second_moment.sqrt().clamp_min(NORMUON_EPS))
-        matrix.mul_(norm_before / matrix.norm(dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS))
-        return matrix.view(update.shape)
+            state["neuron_second_moment"] = torch.zeros_like(mean_square, dtype=p.dtype)
+        second_moment = state["neuron_second_moment"].lerp_(mean_square.to(p.dtype), 1 - self.neuron_beta2)
+        update.mul_(second_moment.clamp_min(NORMUON_EPS).rsqrt_())
+        update.mul_(norm_before / update.norm(dim=(-2, -1), keepdim=True).clamp_min_(NORMUON_EPS))
+        return update
 
     def state_dict(self) -> dict:
         """Every matrix's state, gathered from its owner: a collective, which every rank calls. Off the
@@ -376,6 +381,7 @@ class Adam(torch.optim.Optimizer):
         super().__init__(param_groups, dict(betas=betas, eps=eps))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
         self.state_dtype = state_dtype
+        self.step_sizes = {}  # per parameter
 
     @torch.no_grad()
     def step(self):
@@ -386,20 +392,15 @@ class Adam(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(step=torch.zeros((), dtype=torch.int64, device=p.device),
-                                 exp_avg=torch.zeros_like(p, dtype=self.state_dtype),
+                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=self.state_dtype),
                                  exp_avg_sq=torch.zeros_like(p, dtype=self.state_dtype))
                 state["step"] += 1
-                # A device tensor, made outside the compiled update: a Python float lr there would recompile
-                # it at every new lr. The bias corrections are float32, from the int64 step, as in the record.
+                # The lr and both bias corrections in double precision, as the record's Python floats, then in a CPU
+                # scalar: an input of the compiled update (a Python float would recompile it at every new value).
                 t = state["step"]
-                step_size = group["lr"] * (torch.sqrt(1 - beta2**t) / (1 - beta1**t))
+                step_size = self.step_sizes.setdefault(p, torch.zeros((), dtype=torch.float32))
+                step_size.fill_(group["lr"] * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
                 self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step_size, beta1, beta2, eps)
-
-    def load_state_dict(self, state_dict: dict):
-        super().load_state_dict(state_dict)
-        for p, state in self.state.items():  # torch leaves "step" where the checkpoint was loaded
-            state["step"] = state["step"].to(p.device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,16 +425,15 @@ def init_bound(fan_in: int) -> float:
 
 class CastedLinear(nn.Linear):
     """A bias-free linear layer with fp32 weights cast to the activations' dtype; in training, the FP8
-    matmul when given its (x, w, grad) scales."""
+    matmul when given its (x, w, grad) scales. Zero-initialized, drawing nothing (records from 2025-10-27)."""
 
     def __init__(self, in_features: int, out_features: int, fp8_scales: tuple[float, float, float] | None = None):
         super().__init__(in_features, out_features, bias=False)
         self.fp8_scales = fp8_scales
 
     def reset_parameters(self):
-        bound = init_bound(self.in_features)
         with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
+            self.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8_scales is not None and self.training:
@@ -569,14 +569,11 @@ class CausalSelfAttention(nn.Module):
         with torch.no_grad():
             self.qkvo_w[:3].uniform_(-bound, bound)
             self.qkvo_w[3].zero_()
-        # Optional gates, per head, zero-initialized: the attention output times sigmoid(w . x[:12]) (the
-        # record), and the value embedding times 2 sigmoid(w . x[:12]) (from later records).
+        # Optional gates, per head: the attention output times sigmoid(w . x[:12]) (the record), and the value
+        # embedding times 2 sigmoid(w . x[:12]) (from later records).
         gate_inputs = min(GATE_INPUTS, model_dim)
         self.attn_gate = CastedLinear(gate_inputs, num_heads) if attn_gate else None
         self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
-        for gate in (self.attn_gate, self.ve_gate):
-            if gate is not None:
-                gate.weight.detach().zero_()
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
                 cache=None) -> Tensor:
@@ -729,15 +726,17 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
 class GPT(nn.Module):
     """The U-net GPT, modules registered in forward order: reversed(parameters()) is the order in which gradients become
-    ready (the bucketing relies on it). windows: every long window of a run in order, each with its softmax scale."""
+    ready (the bucketing relies on it). windows: every long window of a run in order, each with its softmax scale;
+    skip_layers: the decoder layers that take a skip (None: every one)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
                  value_embed_gates: bool = False, attn_gates: bool = False, first_layer_mlp: bool = False,
                  first_layer_attention: bool = True, smear: bool = False, skip_gates: bool = False,
-                 backout_layer: int = -1, rotary_dtype: torch.dtype = torch.float32,
-                 linear_dtype: torch.dtype = torch.float32, softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
+                 skip_layers: tuple | None = None, residual_lambda_init: float = 1.0, backout_layer: int = -1,
+                 rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
+                 softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
         if num_layers < 2 or num_layers % 2:
@@ -751,11 +750,8 @@ class GPT(nn.Module):
         no_attention = attention_free_layer(num_layers, value_embed_layout)
         padded_vocab = next_multiple(vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
         self.embed = nn.Embedding(padded_vocab, model_dim)
-        # The smear's gate reads the first GATE_INPUTS dims of a token's embedding; made (and its init drawn) right after
-        # the embedding, as in the record; zero-initialized.
+        # The smear's gate reads the first GATE_INPUTS dims of a token's embedding.
         self.smear_gate = CastedLinear(min(GATE_INPUTS, model_dim), 1) if smear else None
-        if smear:
-            self.smear_gate.weight.detach().zero_()
         self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
                                           for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
         # One parameter for all scalars (one Adam tensor): U-net skip weights, per layer the (stream, x0) and the (v,
@@ -765,7 +761,7 @@ class GPT(nn.Module):
         self.backout_index = self.smear_index + int(smear)
         self.scalars = nn.Parameter(torch.cat([
             torch.full((num_layers // 2,), SKIP_GATE_INIT if skip_gates else 1.0),
-            torch.tensor([1.0, 0.0]).repeat(num_layers),
+            torch.tensor([residual_lambda_init, 0.0]).repeat(num_layers),
             torch.tensor([0.5, 0.5]).repeat(num_layers),
             torch.zeros(int(smear)),
             torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
@@ -774,17 +770,21 @@ class GPT(nn.Module):
                                           i > 0 or first_layer_mlp, attn_gates,
                                           value_embed_gates and self.ve_layout[i] is not None)
                                     for i in range(num_layers))
-        # An empty first block is skipped whole (its mixing too, as in the record): the U-net then pairs layers 1..L/2-1
-        # with L-2..L/2, and the last layer gets no skip.
+        # An empty first block is skipped whole (its mixing too, as in the record), and so is its skip into the last layer.
         self.first_layer = int(self.blocks[0].attn is None and self.blocks[0].mlp is None)
         if 0 <= backout_layer < self.first_layer:
             raise ValueError(f"backout_layer={backout_layer} is the empty first block, which is skipped")
+        # U-net skips: decoder layer i adds layer L-1-i's output, weighted by skip weight i - L/2.
+        decoder = range(num_layers // 2, num_layers - self.first_layer)
+        self.skip_layers = tuple(decoder) if skip_layers is None else tuple(skip_layers)
+        if any(i not in decoder for i in self.skip_layers):
+            raise ValueError(f"skip_layers must be among the decoder layers {decoder.start}..{decoder.stop - 1} (the "
+                             f"others have no partner), got {','.join(map(str, self.skip_layers))}")
         self.window_unit = window_unit
         self.rotary = Rotary(head_dim, max_seq_len, window_unit, rotary_dtype)
         self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
         self.lm_head = CastedLinear(model_dim, padded_vocab,
                                     lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
-        self.lm_head.weight.detach().zero_()
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
         if loss_chunk and softcap_in_run_dtype:
             raise ValueError("the chunked training loss computes its softcap in float32: softcap_in_run_dtype needs loss_chunk=0")
@@ -823,16 +823,16 @@ class GPT(nn.Module):
         if self.smear_gate is not None:
             x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None)
         x = x0 = norm(x[None])
-        skips, backout = [], None
+        skips, backout = {}, None
         for i in range(self.first_layer, L):
-            if L // 2 <= i < L - self.first_layer:
+            if i in self.skip_layers:
                 weight = skip_weights[i - L // 2]
-                x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop()
+                x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop(L - 1 - i)
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
                                self.rotary, scale, None if cache is None else cache.layers[i])
-            if i < L // 2:
-                skips.append(x)
+            if L - 1 - i in self.skip_layers:
+                skips[i] = x
             if i == self.backout_layer:
                 backout = x
         if backout is not None:
@@ -1130,7 +1130,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2025-10-24 NorMuon); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2025-11-18 RefineSkip); presets override some of them
 
 
 @dataclass
@@ -1144,14 +1144,14 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 2315  # optimizer steps
-    extension_steps: int = 40  # the last of num_iterations run past the window schedule, at its last window, the lr decaying through them
-    cooldown_frac: float = 0.45  # final fraction of training in which the lr decays linearly to 0.1x
+    num_iterations: int = 2225  # optimizer steps
+    extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
+    cooldown_frac: float = 0.5  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
-    window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of training; short-window layers get half (rounded down)
-    final_window: int = 13  # long window in window units for the final validation
-    final_long_window: int = 20  # the long layers' window there, after YaRN to final_window; 0: final_window
+    window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of the scheduled steps; short-window layers get half (rounded down)
+    final_window: int = 13  # long window in window units for the extension steps and the final validation
+    final_long_window: int = 20  # the long layers' window at the final validation, after YaRN to final_window; 0: final_window
     window_unit: int = 128  # tokens per window unit (the record: one 128-token block)
     yarn: bool = True  # rescale the rotary frequencies (YaRN) at each window change, as the record; false: keep them
     # model
@@ -1167,6 +1167,8 @@ class Hyperparameters:
     first_layer_attention: bool = False  # attention in layer 0; off (with first_layer_mlp off), block 0 is empty and skipped (records from 2025-09-21)
     smear: bool = True  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
     skip_gates: bool = True  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
+    skip_layers: str = "7"  # decoder layers i (comma-separated) that add layer num_layers-1-i's output before running (records from 2025-11-18); all: every one (the U-net before); none
+    residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
     backout_layer: int = 8  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
@@ -1182,13 +1184,14 @@ class Hyperparameters:
     adam_eps: float = 1e-8  # Adam epsilon
     adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
     adam_state_in_run_dtype: bool = True  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
-    muon_lr: float = 0.06  # Muon lr for hidden matrices
+    muon_lr: float = 0.03  # Muon lr for hidden matrices
+    mlp_up_lr_mul: float = 2.0  # Muon lr multiplier of each MLP's up-projection (records from 2025-10-27; 1 before)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
     muon_momentum_cooldown_steps: int = 50  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30)
-    muon_neuron_beta2: float = 0.95  # NorMuon (Li et al., 2025) as the 2025-10-24 record computes it: EMA decay of each neuron's update mean square; 0: off
-    muon_cautious_wd: float = 0.0  # cautious weight decay on Muon's matrices (Chen et al., 2025), ramping linearly to 0 over training; best ~ 1/width^2; 0: off (the record)
+    muon_neuron_beta2: float = 0.95  # NorMuon (Li et al., 2025) as the records from 2025-10-27 compute it: EMA decay of each neuron's update mean square; 0: off
+    muon_cautious_wd: float = 1.2  # cautious weight decay on Muon's matrices (Chen et al., 2025), x the lr: p -= lr' (v + lr wd mask p) (records from 2025-11-10); 0: off
     orthogonalizer: str = "polar_express"  # Muon's orthogonalization: polar_express (records from 2025-09-29) or newton_schulz (the earlier records' quintic)
     # systems
     dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
@@ -1239,8 +1242,8 @@ PRESETS = {
         embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
-        muon_cautious_wd=2.0,  # lower losses than 0 (off), 0.2, 0.7 and 5
-        # The 2025-09-11 to 10-24 records' other pieces, as the 09-10 record had them: unmeasured at this size.
+        muon_cautious_wd=10.0,  # the records' form, tied to lr^2: lower losses than 0 (records/track_cpu/README.md)
+        # The 2025-09-11 to 11-18 records' other pieces, as the 09-10 record had them: unmeasured at this size.
         extension_steps=0,
         final_long_window=0,
         first_layer_attention=True,
@@ -1255,7 +1258,10 @@ PRESETS = {
         adam_every=1,
         adam_state_in_run_dtype=False,
         muon_lr=0.05,
+        mlp_up_lr_mul=1.0,
         muon_momentum_cooldown_steps=0,
+        skip_layers="all",
+        residual_lambda_init=1.0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
         exact_grad_sum=False,  # costs time every step; tests comparing world sizes switch it on
@@ -1278,6 +1284,13 @@ CHOICES = {
 RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "checkpoint_every", "resume",
                      "compile", "warmup_steps", "val_loss_every", "train_loss_every", "bucket_mb",
                      "exact_grad_sum"}
+
+
+def skip_layers(args: Hyperparameters) -> tuple[int, ...] | None:
+    """args.skip_layers as GPT takes it: None for all."""
+    if args.skip_layers in ("all", "none"):
+        return None if args.skip_layers == "all" else ()
+    return tuple(int(i) for i in args.skip_layers.split(","))
 
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
@@ -1312,6 +1325,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"muon_neuron_beta2={args.muon_neuron_beta2} must be within [0, 1) (0: NorMuon off)")
     if args.muon_cautious_wd < 0:
         raise ConfigError(f"muon_cautious_wd={args.muon_cautious_wd} must be >= 0 (0: off)")
+    if args.mlp_up_lr_mul <= 0:
+        raise ConfigError(f"mlp_up_lr_mul={args.mlp_up_lr_mul} must be > 0")
     if args.loss_chunk < 0:
         raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
     if args.loss_in_run_dtype and args.loss_chunk:
@@ -1334,6 +1349,14 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if empty_first_block and args.num_layers < 4:
         raise ConfigError(f"num_layers={args.num_layers}: with block 0 empty (first_layer_attention and first_layer_mlp "
                           f"off) at least 4 layers, so that a skip connects them")
+    decoder = range(args.num_layers // 2, args.num_layers - empty_first_block)
+    try:
+        layers = skip_layers(args) or ()
+    except ValueError:
+        layers = (-1,)
+    if any(i not in decoder for i in layers):
+        raise ConfigError(f"skip_layers={args.skip_layers}: all, none, or decoder layers with a partner, comma-separated "
+                          f"({decoder.start} to {decoder.stop - 1} here)")
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
@@ -1457,6 +1480,7 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
                attn_gates=args.attn_gates, first_layer_mlp=args.first_layer_mlp,
                first_layer_attention=args.first_layer_attention, smear=args.smear, skip_gates=args.skip_gates,
+               skip_layers=skip_layers(args), residual_lambda_init=args.residual_lambda_init,
                backout_layer=args.backout_layer,
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
                linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
@@ -1481,7 +1505,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                 state_dtype=DTYPES[plan.dtype if plan else args.dtype] if args.adam_state_in_run_dtype else None)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
-                neuron_beta2=args.muon_neuron_beta2, compiled=compiled)
+                neuron_beta2=args.muon_neuron_beta2, weight_decay=args.muon_cautious_wd,
+                lr_mul={block.mlp.c_fc: args.mlp_up_lr_mul for block in model.blocks if block.mlp is not None},
+                compiled=compiled)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1492,8 +1518,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
 
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """1 until the cooldown, then linear to 0.1 at the last step."""
-    progress = step / args.num_iterations
+    """1 until the cooldown, then linear toward 0.1 at the end of the scheduled steps; flat through the extension,
+    where the record holds progress at 0.9999."""
+    progress = min(0.9999, step / (args.num_iterations - args.extension_steps))
     if progress < 1 - args.cooldown_frac:
         return 1.0
     w = (1 - progress) / args.cooldown_frac
@@ -1501,12 +1528,12 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
 
 
 def window_at(step: int, args: Hyperparameters) -> int:
-    """The long window in window units: window_stages in equal parts of the run before its extension steps, the last
-    stage through them, final_window for the last validation."""
-    if step == args.num_iterations:
+    """The long window in window units: window_stages in equal parts of the scheduled steps, then final_window for the
+    extension steps and the last validation."""
+    scheduled = args.num_iterations - args.extension_steps
+    if step >= scheduled:
         return args.final_window
-    stages = args.window_stages
-    return stages[min(len(stages) * step // (args.num_iterations - args.extension_steps + 1), len(stages) - 1)]
+    return args.window_stages[len(args.window_stages) * step // scheduled]
 
 
 def long_window_at(step: int, args: Hyperparameters) -> int | None:
@@ -1548,11 +1575,6 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
         frac = (step - cooldown_start) / args.muon_momentum_cooldown_steps
         return args.muon_momentum_end - frac * (args.muon_momentum_end - args.muon_momentum_start)
     return args.muon_momentum_end
-
-
-def muon_weight_decay(step: int, args: Hyperparameters) -> float:
-    """Cautious weight decay: muon_cautious_wd at step 0, linearly to 0 at the last step."""
-    return args.muon_cautious_wd * (1 - step / args.num_iterations)
 
 
 # Each window compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's per mask
@@ -1617,7 +1639,6 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, self.args)
         for group in self.muon.param_groups:
             group["momentum"] = muon_momentum(step, self.args)
-            group["weight_decay"] = muon_weight_decay(step, self.args)
         stepping = self.optimizers if adam_steps else [self.muon]
         for optimizer in stepping:
             optimizer.step()
@@ -1654,14 +1675,15 @@ class Trainer:
         return float(total) / len(val_sequences)
 
     def warm_up(self, first_step: int):
-        """Compile (and warm caches) on random tokens, each window stage in turn (the rotary tables
+        """Compile (and warm caches) on random tokens, each window that training uses in turn (the rotary tables
         unchanged), then restore the exact state from before."""
         # This rank's optimizer states only (the base class's state_dict): Muon's gathers what other ranks own.
         optimizer_states = [torch.optim.Optimizer.state_dict(o) for o in self.optimizers]
         saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=optimizer_states))
         args, window = self.args, self.window
+        windows = (*args.window_stages, args.final_window) if args.extension_steps else args.window_stages
         for i, step in enumerate(range(first_step, first_step + args.warmup_steps)):
-            self.window = args.window_stages[i % len(args.window_stages)]
+            self.window = windows[i % len(windows)]
             random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device, dtype=torch.int32),
                              torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device))
                             for _ in range(self.grad_accum_steps)]

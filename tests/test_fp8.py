@@ -204,6 +204,7 @@ def test_casted_linear_uses_fp8_only_in_training():
     is exactly F.linear."""
     torch.manual_seed(5)
     layer = train_gpt.CastedLinear(D, V, train_gpt.lm_head_fp8_scales(D))
+    torch.nn.init.normal_(layer.weight, std=D**-0.5)  # zero at init
     x = train_gpt.norm(torch.randn(2, 64, D)).bfloat16()
     exact = F.linear(x, layer.weight.bfloat16())
     layer.eval()

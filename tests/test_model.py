@@ -27,9 +27,9 @@ T = 512  # 4 blocks of 128
 WINDOWS = (1, 2, 4)  # the long windows (in blocks) the tests' models know: each has its softmax scale
 
 
-# The 2025-09-10 record's layout at a few layers (attention in layer 0, no smear, ungated skips, no backout): the
-# record's later layout needs 4 layers or more and a backout layer among them.
-EARLIER_STRUCTURE = dict(first_layer_attention=True, smear=False, skip_gates=False, backout_layer=-1)
+# The 2025-09-10 record's layout at a few layers (attention in layer 0, no smear, ungated U-net skips, no backout):
+# the record's later layout needs 4 layers or more, a backout layer and its skip's layer among them.
+EARLIER_STRUCTURE = dict(first_layer_attention=True, smear=False, skip_gates=False, skip_layers="all", backout_layer=-1)
 
 
 def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, loss_chunk=0, first_layer_mlp=False):
@@ -611,28 +611,30 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
         assert torch.equal(captured, eager), name
 
 
-def records_structure_gpt(num_layers=12, backout_layer=8, windows=WINDOWS, seed=0):
-    """The records' structure from 2025-10-04 on, at width 32: block 0 empty, the smear, sigmoid skip gates and the
-    backout (after block 8 of 12 in the records)."""
+def records_structure_gpt(num_layers=12, backout_layer=8, windows=WINDOWS, seed=0, skip_layers=(7,),
+                          residual_lambda_init=1.1):
+    """The records' structure of 2025-11-18, at width 32: block 0 empty, the smear, one sigmoid-gated skip (4 into 7;
+    None: the U-net of the records from 2025-10-04, 1-5 into 10-6), block inputs 1.1 x at init, and the backout (after
+    block 8 of 12 in the records)."""
     torch.manual_seed(seed)
     return train_gpt.GPT(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=windows,
-                         first_layer_attention=False, smear=True, skip_gates=True, backout_layer=backout_layer)
+                         first_layer_attention=False, smear=True, skip_gates=True, skip_layers=skip_layers,
+                         residual_lambda_init=residual_lambda_init, backout_layer=backout_layer)
 
 
 def test_the_records_structure_starts_as_the_record_does():
-    """Attention in layers 1-6 and 8-11, MLPs in 1-11; 56 scalars: six skip weights at -1.5, the (1, 0) and
+    """Attention in layers 1-6 and 8-11, MLPs in 1-11; 56 scalars: six skip weights at -1.5, the (1.1, 0) and
     (0.5, 0.5) lambdas of each layer, the smear's lambda at 0 and the backout's at 0.5; the smear gate (1 x 12)
-    zero, made after the embedding: its 12 uniform draws come before every other parameter's."""
+    zero, drawing nothing (from 2025-10-27): the first value embedding's draws follow the token embedding's."""
     model = records_structure_gpt()
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
     assert [i for i, b in enumerate(model.blocks) if b.mlp is not None] == list(range(1, 12))
-    expected = torch.cat([torch.full((6,), -1.5), torch.tensor([1.0, 0.0]).repeat(12), torch.tensor([0.5, 0.5]).repeat(12),
+    expected = torch.cat([torch.full((6,), -1.5), torch.tensor([1.1, 0.0]).repeat(12), torch.tensor([0.5, 0.5]).repeat(12),
                           torch.tensor([0.0, 0.5])])
     assert torch.equal(model.scalars.detach(), expected)
     assert model.smear_gate.weight.shape == (1, 12) and not model.smear_gate.weight.any()
     torch.manual_seed(0)
     embed = torch.nn.Embedding(train_gpt.next_multiple(VOCAB, 128), 32)
-    torch.empty(1, 12).uniform_()
     first_value_embed = torch.nn.Embedding(train_gpt.next_multiple(VOCAB, 128), 32)
     assert torch.equal(model.embed.weight, embed.weight)
     assert torch.equal(model.value_embeds[0].weight, first_value_embed.weight)
@@ -640,14 +642,17 @@ def test_the_records_structure_starts_as_the_record_does():
     assert any(p is model.smear_gate.weight for p in muon.param_groups[0]["params"])
 
 
+@pytest.mark.parametrize("listing", ["2025-11-18", "2025-10-24"])
 @pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
-def test_the_records_structure_computes_the_records_forward(window, long_window):
-    """The trunk against the record's forward written out (2025-10-24's listing): the smear of each token's raw
-    embedding by its predecessor's, block 0 skipped, layers 1-5 pushed and popped by layers 10-6 through
-    sigmoid gates, none into layer 11, the residual after block 8 times its lambda taken out at the end, and
-    the final validation's wider long window on layers 4 and 11 alone (the short ones keep half the window).
-    The same operations in the same order: equal to the bit, with every weight and scalar random."""
-    model = randomize_(records_structure_gpt())
+def test_the_records_structure_computes_the_records_forward(window, long_window, listing):
+    """The trunk against the record's forward written out (2025-11-18's listing, and 2025-10-24's U-net): the smear of
+    each token's raw embedding by its predecessor's, block 0 skipped, layer 4's output added before layer 7 through
+    a sigmoid gate (10-24: layers 1-5 pushed and popped by layers 10-6, none into layer 11), the residual after block
+    8 times its lambda taken out at the end, and the final validation's wider long window on layers 4 and 11 alone
+    (the short ones keep half the window). The same operations in the same order: equal to the bit, with every
+    weight and scalar random."""
+    unet = listing == "2025-10-24"
+    model = randomize_(records_structure_gpt(skip_layers=None if unet else (7,)))
     tokens, _ = documents()
     s, F = model.scalars, torch.nn.functional
     skip_weights, lambdas, sa_lambdas = s[:6], s[6:30].view(12, 2), s[30:54].view(12, 2)
@@ -661,11 +666,13 @@ def test_the_records_structure_computes_the_records_forward(window, long_window)
     short_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa")
     skips = []
     for i in range(1, 12):
-        if 6 <= i < 11:
+        if unet and 6 <= i < 11:
             x = x + torch.sigmoid(skip_weights[i - 6]) * skips.pop()
+        if not unet and i == 7:
+            x = x + torch.sigmoid(skip_weights[i - 6]) * skips[0]
         x = model.blocks[i](x, x0, ve[i], lambdas[i], sa_lambdas[i], long_mask if i in (4, 11) else short_mask,
                             model.rotary, model.attention_scales[window])
-        if i < 6:
+        if (unet and i < 6) or i == 4:
             skips.append(x)
         if i == 8:
             x_backout = x
@@ -774,9 +781,9 @@ def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projectio
         assert torch.equal(gated(x, ve, *rest), expected)
 
 
-def test_attention_gates_train_with_muon_and_draw_before_being_zeroed():
-    """The record's gates are Muon matrices (6 x 12 at width 768, 2 x 12 here); each is drawn (then
-    zeroed), so the model with gates draws its later weights from a later point of the random stream."""
+def test_attention_gates_train_with_muon_and_draw_nothing():
+    """The record's gates are Muon matrices (6 x 12 at width 768, 2 x 12 here), zero and drawing nothing (from
+    2025-10-27): the model with gates draws every weight as the model without."""
     args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=4, model_dim=128, num_heads=2, head_dim=64)
     assert args.attn_gates  # the record's default
     torch.manual_seed(0)
@@ -787,8 +794,11 @@ def test_attention_gates_train_with_muon_and_draw_before_being_zeroed():
     assert {id(g) for g in gates} <= {id(p) for group in muon.param_groups for p in group["params"]}
     torch.manual_seed(0)
     ungated = train_gpt.build_model(dataclasses.replace(args, attn_gates=False), T)
-    assert torch.equal(model.blocks[0].attn.qkvo_w, ungated.blocks[0].attn.qkvo_w)  # drawn before the gate
-    assert not torch.equal(model.blocks[1].attn.qkvo_w, ungated.blocks[1].attn.qkvo_w)  # drawn after it
+    for block, plain in zip(model.blocks, ungated.blocks):
+        if block.attn is not None:
+            assert torch.equal(block.attn.qkvo_w, plain.attn.qkvo_w)
+        if block.mlp is not None:
+            assert torch.equal(block.mlp.c_fc, plain.mlp.c_fc)
 
 
 def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
@@ -806,7 +816,7 @@ def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
 def test_layer_0_has_an_mlp_only_when_asked_and_the_draws_follow_the_layers():
     """The record's layer 0 has no MLP (first_layer_mlp adds it). Both models equal a replay of the draws
     in the documented order from the same seed: token and value embeddings, then per layer the attention
-    (q, k, v; the gates) and the MLP's up-projection where there is one; so without layer 0's MLP,
+    (q, k, v; the gates draw nothing) and the MLP's up-projection where there is one; so without layer 0's MLP,
     layer 0's attention is the same and every later draw comes earlier in the stream."""
     models = {}
     for flag in (False, True):

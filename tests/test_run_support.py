@@ -119,7 +119,7 @@ def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_pat
         support.check_resumable({"hyperparameters": saved}, tmp_path,
                                 dataclasses.replace(train_gpt.Hyperparameters(), **{name: changed}),
                                 train_gpt.RESUMABLE_CHANGES)
-    with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.06, now 0.05\)"):
+    with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.03, now 0.05\)"):
         support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(muon_lr=0.05),
                                 train_gpt.RESUMABLE_CHANGES)
     del saved["yarn"]  # a checkpoint made before the setting existed

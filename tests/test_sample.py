@@ -232,8 +232,9 @@ def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomi
 @pytest.fixture(scope="module")
 def randomized_records_structure_gpt():
     """randomized_gpt with the later records' structure: block 0 empty, the smear (whose first new token reads the
-    cached one before it), sigmoid skip gates and the backout after block 2."""
-    return randomize_(records_structure_gpt(num_layers=4, backout_layer=2, windows=(1, 2, 3)), seed=0).eval()
+    cached one before it), a sigmoid-gated skip (1 into 2) and the backout after block 2."""
+    return randomize_(records_structure_gpt(num_layers=4, backout_layer=2, windows=(1, 2, 3), skip_layers=(2,)),
+                      seed=0).eval()
 
 
 @pytest.mark.parametrize("structure", ["randomized_gpt", "randomized_records_structure_gpt"])
