@@ -1242,7 +1242,7 @@ PRESETS = {
         embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
-        muon_cautious_wd=10.0,  # the records' form, tied to lr^2: lower losses than 0 (records/track_cpu/README.md)
+        muon_cautious_wd=10.0,  # the records' form, tied to lr^2: 10 and 40 alike (records/track_cpu/README.md)
         # The 2025-09-11 to 11-18 records' other pieces, as the 09-10 record had them: unmeasured at this size.
         extension_steps=0,
         final_long_window=0,

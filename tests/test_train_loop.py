@@ -232,6 +232,22 @@ def test_compile_warmup_restores_the_initial_state(tiny_shards, tmp_path):
     assert warmed["train_losses"] == plain["train_losses"]
 
 
+def test_warm_up_and_training_visit_the_windows_of_the_schedule(tiny_shards, tmp_path, monkeypatch):
+    """Warm-up steps cycle through every window training uses: the stages, and final_window when extension steps
+    train at it (the record's 13). Training then takes the stages over the 3 scheduled steps (2 x step // 3) and
+    final_window for the extension step."""
+    windows, original = [], train_gpt.Trainer.train_step
+
+    def recorded(self, step, batch):
+        windows.append(self.window)
+        return original(self, step, batch)
+
+    monkeypatch.setattr(train_gpt.Trainer, "train_step", recorded)
+    run(tiny_shards, tmp_path, "--num_iterations=4", "--extension_steps=1", "--window_stages=1,2", "--final_window=4",
+        "--warmup_steps=4", "--val_loss_every=0")
+    assert windows == [1, 2, 4, 1] + [1, 1, 2, 4]
+
+
 def test_a_non_finite_loss_stops_the_run_naming_the_step(tiny_shards, tmp_path, monkeypatch):
     forward, calls = train_gpt.GPT.forward, []
 
