@@ -254,13 +254,13 @@ def deal_by_cost(costs: list[int], world_size: int) -> list[list[int]]:
     return dealt
 
 
-NORMUON_EPS = 1e-10  # the floor of NorMuon's divisors (the record's clamp_min): finite for an all-zero neuron or update
+NORMUON_EPS = 1e-10  # the floor of NorMuon's second moments and norms (the record's clamp_min): finite at zero
 
 
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden matrices (..., rows, cols). Each rank owns the matrices
     dealt to it by FLOPs, orthogonalizes each alone and all-gathers the updates: the same bits at any world size.
-    lr_mul: a factor on some matrices' lr (the others 1)."""
+    lr_mul: {parameter: factor on its lr}; the others 1."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
@@ -272,7 +272,7 @@ class Muon(torch.optim.Optimizer):
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
         self.neuron_beta2 = neuron_beta2
         # The record's per-matrix factors, tensors in the matrix's dtype made once: sqrt(max(1, rows/cols)) x lr_mul on
-        # the lr (a bf16 gate's lr then rounds to bf16), and 1 on the weight decay.
+        # the lr, and 1 on lr x wd, so that both products round in that dtype (a bf16 gate's in bf16), as the record's.
         self.lr_mul = lr_mul or {}
         self.lr_factor = {p: max(1.0, p.size(-2) / p.size(-1)) ** 0.5 * p.new_tensor([self.lr_mul.get(p, 1.0)])
                           .view([1] * p.ndim) for p in params}
@@ -322,7 +322,8 @@ class Muon(torch.optim.Optimizer):
             if p is not None:
                 update = gathered[k * size:k * size + p.numel()].view_as(p)
                 if weight_decay:
-                    # Cautious: decay only where the update moves the entry toward zero (or leaves it), by lr x lr wd.
+                    # Cautious: lr wd p joins the update only where the update moves p toward zero (or leaves it),
+                    # so the step decays p by lr' lr wd, in proportion to lr^2.
                     update.addcmul_(p, lr * weight_decay * self.wd_factor[p] * (update * p >= 0))
                 p.addcmul_(update, -(lr * self.lr_factor[p]))
 
@@ -791,7 +792,7 @@ class GPT(nn.Module):
         self.softcap_in_run_dtype = softcap_in_run_dtype
         for table in [self.embed, *self.value_embeds]:
             table.to(embed_dtype)
-        for module in self.modules():  # after every init draw: the lm_head and the gates
+        for module in self.modules():  # the lm_head and the gates
             if isinstance(module, CastedLinear):
                 module.to(linear_dtype)
 
