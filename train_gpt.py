@@ -382,7 +382,7 @@ class Adam(torch.optim.Optimizer):
         super().__init__(param_groups, dict(betas=betas, eps=eps))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
         self.state_dtype = state_dtype
-        self.step_sizes = {}  # per parameter
+        self.step_sizes = {}  # a CPU float32 scalar per parameter: the compiled update's input
 
     @torch.no_grad()
     def step(self):
@@ -656,6 +656,12 @@ def attention_free_layer(num_layers: int, layout: str = "u") -> int:
     return max(i for i in range(min(num_layers // 2 + 2, num_layers)) if table_of_layer[i] is None)
 
 
+def skip_receivers(num_layers: int, first_layer: int) -> range:
+    """The decoder layers i that can take a U-net skip: those whose partner, layer num_layers-1-i, runs (with block 0
+    empty and skipped, the last layer has none)."""
+    return range(num_layers // 2, num_layers - first_layer)
+
+
 def long_window_layers(num_layers: int) -> list[bool]:
     """Every fourth encoder layer from the first uses the long window, mirrored in the decoder
     (12 layers: long at 0, 4, 7, 11; the rest short)."""
@@ -776,7 +782,7 @@ class GPT(nn.Module):
         if 0 <= backout_layer < self.first_layer:
             raise ValueError(f"backout_layer={backout_layer} is the empty first block, which is skipped")
         # U-net skips: decoder layer i adds layer L-1-i's output, weighted by skip weight i - L/2.
-        decoder = range(num_layers // 2, num_layers - self.first_layer)
+        decoder = skip_receivers(num_layers, self.first_layer)
         self.skip_layers = tuple(decoder) if skip_layers is None else tuple(skip_layers)
         if any(i not in decoder for i in self.skip_layers):
             raise ValueError(f"skip_layers must be among the decoder layers {decoder.start}..{decoder.stop - 1} (the "
@@ -1288,10 +1294,15 @@ RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "
 
 
 def skip_layers(args: Hyperparameters) -> tuple[int, ...] | None:
-    """args.skip_layers as GPT takes it: None for all."""
+    """args.skip_layers as GPT takes it (None: all); a ConfigError unless all, none, or decoder layers with a partner."""
     if args.skip_layers in ("all", "none"):
         return None if args.skip_layers == "all" else ()
-    return tuple(int(i) for i in args.skip_layers.split(","))
+    decoder = skip_receivers(args.num_layers, int(not args.first_layer_attention and not args.first_layer_mlp))
+    layers = tuple(int(i) for i in args.skip_layers.split(",") if i.isdigit())
+    if len(layers) != len(args.skip_layers.split(",")) or any(i not in decoder for i in layers):
+        raise ConfigError(f"skip_layers={args.skip_layers}: all, none, or decoder layers with a partner, comma-separated "
+                          f"({decoder.start} to {decoder.stop - 1} here)")
+    return layers
 
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
@@ -1350,14 +1361,7 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if empty_first_block and args.num_layers < 4:
         raise ConfigError(f"num_layers={args.num_layers}: with block 0 empty (first_layer_attention and first_layer_mlp "
                           f"off) at least 4 layers, so that a skip connects them")
-    decoder = range(args.num_layers // 2, args.num_layers - empty_first_block)
-    try:
-        layers = skip_layers(args) or ()
-    except ValueError:
-        layers = (-1,)
-    if any(i not in decoder for i in layers):
-        raise ConfigError(f"skip_layers={args.skip_layers}: all, none, or decoder layers with a partner, comma-separated "
-                          f"({decoder.start} to {decoder.stop - 1} here)")
+    skip_layers(args)
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
@@ -1682,7 +1686,7 @@ class Trainer:
         optimizer_states = [torch.optim.Optimizer.state_dict(o) for o in self.optimizers]
         saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=optimizer_states))
         args, window = self.args, self.window
-        windows = (*args.window_stages, args.final_window) if args.extension_steps else args.window_stages
+        windows = tuple(dict.fromkeys(window_at(step, args) for step in range(args.num_iterations)))  # in order
         for i, step in enumerate(range(first_step, first_step + args.warmup_steps)):
             self.window = windows[i % len(windows)]
             random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device, dtype=torch.int32),
