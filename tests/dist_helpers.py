@@ -9,7 +9,8 @@ MODE is one of:
   record  every bucket all-reduce launch is recorded (optimizer step, micro-step, bucket, whether it was
           the last micro-step, how many gradients of that backward were ready) and written with the
           buckets' parameter shapes and the bytes their hooks and waits copied (conftest.CopiedBytes)
-          to $DIST_HELPERS_OUT/rank<R>.json; each step's gradients, as each backward made them and as
+          to $DIST_HELPERS_OUT/rank<R>.json, with Muon's rounds and each step's all-gathers (elements sent and
+          received, bytes an element); each step's gradients, as each backward made them and as
           reduced, go to rank<R>_grads.pt (copied outside the counted hooks).
   fail    train_gpt.py runs as __main__ (its own error handling), but rank 1 raises
           RuntimeError("injected failure on rank 1") instead of its 3rd gradient-bucket all-reduce.
@@ -89,6 +90,33 @@ class RecordingBuckets(train_gpt.GradientBuckets):
                     copied_bytes=self.copied_bytes, grad_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
 
+class RecordingMuon(train_gpt.Muon):
+    instances = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gathers = []  # [step][launch]
+        RecordingMuon.instances.append(self)
+
+    def step(self):
+        launch, launched = dist.all_gather_into_tensor, []
+
+        def counted(output, input, *args, **kwargs):
+            launched.append(dict(sent=input.numel(), received=output.numel(), element_bytes=input.element_size()))
+            return launch(output, input, *args, **kwargs)
+
+        dist.all_gather_into_tensor = counted
+        try:
+            super().step()
+        finally:
+            dist.all_gather_into_tensor = launch
+        self.gathers.append(launched)
+
+    def summary(self) -> dict:
+        return dict(gathers=self.gathers, mine=[list(p.shape) for p in self.dealt[self.rank]],
+                    rounds=[[None if p is None else list(p.shape) for p in r] for r in self.rounds])
+
+
 def fail_in_third_bucket_all_reduce():
     all_reduce, calls = dist.all_reduce, [0]
 
@@ -115,11 +143,13 @@ def main():
         train_gpt.GradientBuckets = NoSyncBuckets
         run_train_gpt(argv)
     elif mode == "record":
-        train_gpt.GradientBuckets = RecordingBuckets
+        train_gpt.GradientBuckets, train_gpt.Muon = RecordingBuckets, RecordingMuon
         run_train_gpt(argv)
         out = Path(os.environ["DIST_HELPERS_OUT"])
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{RANK}.json").write_text(json.dumps([b.summary() for b in RecordingBuckets.instances]))
+        [muon] = RecordingMuon.instances
+        (out / f"rank{RANK}.json").write_text(json.dumps([dict(b.summary(), muon=muon.summary())
+                                                          for b in RecordingBuckets.instances]))
         [buckets] = RecordingBuckets.instances
         torch.save(dict(backward=buckets.backward_grads, reduced=buckets.reduced_grads), out / f"rank{RANK}_grads.pt")
     elif mode == "fail":

@@ -11,6 +11,7 @@ a failure go through tests/dist_helpers.py, which imports train_gpt.
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -203,7 +204,8 @@ def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards
 def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_shards, tmp_path):
     """adam_every=2 (the records from 2025-09-30): Adam steps on the odd steps, on two steps' summed gradients. On 2
     ranks x 2 micro-steps, Muon's buckets are reduced on every step and Adam's (the lm_head, the embeddings, the
-    scalars; no bucket mixes the two) on the odd steps' last micro-step alone, once; the run equals one process's."""
+    scalars; no bucket mixes the two) on the odd steps' last micro-step alone, once: the bytes on the wire say so. Muon
+    all-gathers its updates a round at a time, the same on every step. The run equals one process's."""
     extra = ["--adam_every=2", "--bucket_mb=0.2"]
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, *extra))
     out = tmp_path / "events"
@@ -218,10 +220,25 @@ def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_sh
         assert all(is_adam[b] or not any(len(s) == 1 or tuple(s) in adam_shapes for s in shapes)
                    for b, shapes in enumerate(record["bucket_shapes"]))  # no bucket mixes Adam's and Muon's
         assert record["reductions"] == [ITERATIONS // 2 if adam else ITERATIONS for adam in is_adam]
+        bucket_bytes = [8 * sum(math.prod(s) for s in shapes) for shapes in record["bucket_shapes"]]  # float64 sums
         for step in range(ITERATIONS):
             launched = [e["bucket"] for e in record["events"] if e["step"] == step]
             assert launched == [b for b, adam in enumerate(is_adam) if step % 2 or not adam], step
+            wire = sum(bucket_bytes[b] for b in launched)
+            assert wire == sum(bucket_bytes) if step % 2 else wire == sum(n for n, a in zip(bucket_bytes, is_adam) if not a)
         assert all(e["last_micro_step"] for e in record["events"])
+        # Muon's updates travel stacked: one all-gather a round, each rank's matrix in a slot of the round's largest size
+        muon = record["muon"]
+        muon_shapes = [s for shapes, adam in zip(record["bucket_shapes"], is_adam) if not adam for s in shapes]
+        slots = [s for round_shapes in muon["rounds"] for s in round_shapes if s is not None]
+        assert sorted(slots) == sorted(muon_shapes)  # every matrix in one slot
+        assert [r[rank] for r in muon["rounds"] if r[rank] is not None] == muon["mine"]
+        assert len(muon["rounds"]) < len(muon_shapes) and all(len(r) == 2 for r in muon["rounds"])
+        sizes = [max(math.prod(s) for s in r if s is not None) for r in muon["rounds"]]
+        assert len(muon["gathers"]) == ITERATIONS  # odd and even steps alike
+        for gathers in muon["gathers"]:
+            assert [(g["sent"], g["received"]) for g in gathers] == [(size, 2 * size) for size in sizes]
+            assert {g["element_bytes"] for g in gathers} == {4}  # --dtype=float32: Muon's updates are float32
 
 
 def test_buckets_copy_no_gradient_bytes(tiny_shards, tmp_path):

@@ -439,7 +439,8 @@ def main(argv=None):
         except (train_gpt.ConfigError, train_gpt.DataError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     print(f"The record preset computes what the {PUBLISHED_RECORD}.")
     print(f"{'check':<16} {'result':<5} figures")
