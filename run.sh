@@ -2,6 +2,8 @@
 # ./run.sh [train_gpt.py options]  main job: FineWeb + torchrun on CUDA GPUs, Shakespeare + cpu preset
 #                                  otherwise, then a sample of the model it trained
 # ./run.sh test [pytest options]   the test suite
+# ./run.sh eval CHECKPOINT --tasks hellaswag [options]
+#                                  lm-evaluation-harness tasks on a checkpoint (tools/evaluate.py)
 # ./run.sh test --torch=VERSION [pytest options]
 #                                  the test suite on another torch release (--torch right after test), in
 #                                  .venv-torchVERSION (.venv keeps the pin); RUN_SH_TORCH=VERSION for any job
@@ -58,9 +60,28 @@ if ! found=$(deps_ok "$PY"); then
 fi
 { read -r gpus; read -r auto_dtype; read -r unusable_gpus || true; } <<< "$found"  # $(...) drops an empty last line
 
+# install_extra FILE: installs the pins of an optional requirements file into the venv when any is missing or
+# differs, holding requirements.txt's (the evaluation's for the tests too: none of them is skipped).
+install_extra() {
+  "$PY" - "$1" <<'PY' 2>/dev/null && return
+import importlib.metadata, re, sys
+pins = re.findall(r"^\s*([A-Za-z0-9_.-]+)==([^\s#]+)", open(sys.argv[1]).read(), re.M)
+sys.exit(any(importlib.metadata.version(name) != version for name, version in pins))
+PY
+  echo "run.sh: installing $1 into $VENV" >&2
+  "$PY" -m pip install --quiet --disable-pip-version-check -r "$1" \
+    -c <(sed "${RUN_SH_TORCH:+s/^torch==[^ #]*/torch==$RUN_SH_TORCH/}" requirements.txt)
+}
+
 if [ "${1:-}" = "test" ]; then
   shift
+  install_extra requirements-eval.txt
   exec "$PY" -m pytest tests "$@"
+fi
+if [ "${1:-}" = "eval" ]; then
+  shift
+  install_extra requirements-eval.txt
+  exec "$PY" tools/evaluate.py "$@"
 fi
 
 if [ -n "$unusable_gpus" ]; then
@@ -74,7 +95,7 @@ if [ "$gpus" -gt 0 ]; then
 fi
 
 [ -f data/shakespeare/shakespeare_val_000000.bin ] && [ -f data/shakespeare/shakespeare_train_000001.bin ] \
-  || "$PY" data/shakespeare.py
+  && [ -f data/shakespeare/shakespeare_val.jsonl ] || "$PY" data/shakespeare.py
 # glibc returns freed blocks to the OS and re-maps them every step, which makes CPU training steps
 # far slower; keeping freed memory costs peak RSS instead (the run logs it).
 export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736

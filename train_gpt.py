@@ -475,9 +475,10 @@ class Rotary(nn.Module):
         self.freqs *= ratio + blend * (1 - ratio)
         self._fill_tables()
 
-    def forward(self, x: Tensor, start: int = 0) -> Tensor:  # (B, T, H, D) at positions start, start + 1, ...
-        cos = self.cos[None, start:start + x.size(-3), None, :]
-        sin = self.sin[None, start:start + x.size(-3), None, :]
+    def forward(self, x: Tensor, positions: int | Tensor = 0) -> Tensor:
+        """x (B, T, H, D) at positions, the first one's (the others follow it) or each token's (T,)."""
+        at = slice(positions, positions + x.size(-3)) if isinstance(positions, int) else positions
+        cos, sin = self.cos[None, at, None, :], self.sin[None, at, None, :]
         x1, x2 = x.to(self.cos.dtype).chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), dim=-1).type_as(x)
 
@@ -577,13 +578,13 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
-                cache=None) -> Tensor:
-        """cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values."""
+                cache=None, positions: int | Tensor = 0) -> Tensor:
+        """cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values; positions: x's
+        for the rotary (Rotary.forward)."""
         B, T = x.size(0), x.size(1)
-        start = 0 if cache is None else cache.length  # position of x's first token
         qkv = F.linear(x, self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k = rotary(norm(q), start), rotary(norm(k), start)
+        q, k = rotary(norm(q), positions), rotary(norm(k), positions)
         if ve is None:
             v = lambdas[0] * v
         elif self.ve_gate is None:
@@ -623,10 +624,10 @@ class Block(nn.Module):
         self.mlp = MLP(model_dim) if has_mlp else None
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, lambdas: Tensor, attn_lambdas: Tensor, mask,
-                rotary: Rotary, scale: float, cache=None) -> Tensor:
+                rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0) -> Tensor:
         x = lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache)
+            x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions)
         if self.mlp is not None:
             x = x + self.mlp(norm(x))
         return x
@@ -815,9 +816,11 @@ class GPT(nn.Module):
         return loss if self.training else loss / target_seq.numel()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
-              long_window: int | None = None) -> Tensor:
+              long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
         """The final residual stream (1, T, D) of tokens (T,) at a long window of window units. Generation's hooks
-        (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block."""
+        (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block.
+        restarts (T,) bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0,
+        the smear passing nothing into it (with an EOT there, attention already stops)."""
         L = self.num_layers
         skip_weights = self.scalars[:L // 2]
         lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
@@ -826,9 +829,13 @@ class GPT(nn.Module):
                                                          long_window=long_window)
         scale = self.attention_scales[window]
         ve = [table(tokens)[None] for table in self.value_embeds]
+        positions = 0 if cache is None else len(cache)
+        if restarts is not None:
+            index = torch.arange(tokens.numel(), device=tokens.device)
+            positions = index - torch.where(restarts, index, 0).cummax(0).values
         x = self.embed(tokens)
         if self.smear_gate is not None:
-            x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None)
+            x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
         x = x0 = norm(x[None])
         skips, backout = {}, None
         for i in range(self.first_layer, L):
@@ -837,7 +844,7 @@ class GPT(nn.Module):
                 x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop(L - 1 - i)
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
-                               self.rotary, scale, None if cache is None else cache.layers[i])
+                               self.rotary, scale, None if cache is None else cache.layers[i], positions)
             if L - 1 - i in self.skip_layers:
                 skips[i] = x
             if i == self.backout_layer:
@@ -847,13 +854,15 @@ class GPT(nn.Module):
             x = x - self.scalars[self.backout_index] * backout
         return x
 
-    def smear(self, e: Tensor, before: Tensor | None = None) -> Tensor:
+    def smear(self, e: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
         """Token embeddings e (T, D) with a gated share of each one's predecessor added (the 2025-09-18 record's
         smear): e_t + lambda sigmoid(w . e_t[:12]) e_(t-1), across documents; the first token keeps its own, unless
-        generation passes the embedding before it."""
+        generation passes the embedding before it, and so does each token where restarts (T,) is true."""
         if before is not None:
             e = torch.cat([before, e])
         gate = self.scalars[self.smear_index] * torch.sigmoid(self.smear_gate(e[1:, :self.smear_gate.in_features]))
+        if restarts is not None:
+            gate = gate.masked_fill(restarts[1:, None], 0)
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
         return e if before is None else e[1:]
 

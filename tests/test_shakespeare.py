@@ -1,4 +1,5 @@
 import configparser
+import json
 import random
 import re
 import tarfile
@@ -179,3 +180,18 @@ def test_the_real_corpus(tmp_path, monkeypatch, no_tiktoken_download, local_gpt2
     assert summary["val"]["documents"] + summary["train"]["documents"] == 77
     assert summary["val"]["works"] + summary["train"]["works"] == 42
     assert sh.build(out_dir=out, cache_dir=cache, encoding=encoding, log=lambda line: None) is None
+
+
+def test_the_validation_text_is_the_val_shards_documents_decoded(tmp_path, gpt2_encoding):
+    """shakespeare_val.jsonl (the local evaluation task's data): each document of the val shard, its text as it was
+    before tokenization, in shard order; written beside shards that exist, without rebuilding them."""
+    texts = ["Enter Demetrius and Philo.\n\n  Philo. Nay, but", "ROMEO: ’Tis but thy name\n", "x"]
+    eot = gpt2_encoding.eot_token
+    tokens = [t for text in texts for t in (eot, *gpt2_encoding.encode(text))]
+    shards.write_shard(tmp_path / "shakespeare_val_000000.bin", np.array(tokens))
+    shards.write_shard(tmp_path / "shakespeare_train_000001.bin", np.array(tokens))
+    before = (tmp_path / "shakespeare_val_000000.bin").stat().st_mtime_ns
+    assert sh.build(tmp_path, encoding=gpt2_encoding, log=lambda line: None) is None
+    lines = (tmp_path / "shakespeare_val.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"text": text} for text in texts]
+    assert (tmp_path / "shakespeare_val_000000.bin").stat().st_mtime_ns == before

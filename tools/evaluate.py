@@ -1,0 +1,254 @@
+"""Evaluate a checkpoint of train_gpt.py on tasks of EleutherAI's lm-evaluation-harness: HellaSwag, ARC, PIQA,
+LAMBADA, Winogrande, wikitext and the rest, with the harness's own prompts, preprocessing and metrics.
+
+    ./run.sh eval checkpoints/<run_id>/step_002225.pt --tasks hellaswag,arc_easy
+    ./run.sh eval CHECKPOINT --tasks hellaswag_local --limit 200
+    ./run.sh eval CHECKPOINT --tasks my_task --include_path DIR
+
+The harness reads a task's data from the Hugging Face hub (HF_ENDPOINT names a mirror, HF_DATASETS_OFFLINE=1
+keeps to the local cache), or from local files that a task YAML names: those of tools/eval_tasks (HellaSwag
+from data/hellaswag/hellaswag_val.jsonl, the held-out Shakespeare works), or of --include_path; relative paths
+are from the working directory (./run.sh runs in the repository). The results JSON (and, with --log_samples,
+each task's samples) goes beside the checkpoint, or into --output.
+
+Every request is a document of its own, <|endoftext|> first as in training; many are packed into one sequence
+per forward, each as if alone (the model's document masks, rotary positions from 0), and the lm_head runs only
+where a token is scored.
+"""
+
+import argparse
+import bisect
+import codecs
+import json
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "data"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import torch
+
+import sample
+import train_gpt
+from atomic_file import atomic_write
+from gpt2_tokenizer import ENDOFTEXT, TokenizerError, get_gpt2_encoding
+
+try:
+    from lm_eval.api.model import TemplateLM
+except ImportError:  # main() says how to install it
+    TemplateLM = object
+
+EOT = train_gpt.EOT_TOKEN
+LOCAL_TASKS = ROOT / "tools" / "eval_tasks"  # the repository's task YAMLs of local files, always included
+DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for generate_until
+
+
+def pack(lengths: list[int], starts_document: list[bool], capacity: int) -> list[list[int]]:
+    """The requests (by index) in sequences of at most capacity positions: longest first, each into the fullest
+    sequence with room (best fit decreasing). A request that does not start a document (a truncated one, a rolling
+    window after the first) only opens a sequence: no document may come before it."""
+    packs, rooms = [], []  # rooms: (room left, pack), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"a request of {lengths[i]} positions exceeds the {capacity} of a sequence")
+        k = bisect.bisect_left(rooms, (lengths[i], -1)) if starts_document[i] else len(rooms)
+        if k < len(rooms):
+            room, p = rooms.pop(k)
+            packs[p].append(i)
+        else:
+            room, p = capacity, len(packs)
+            packs.append([i])
+        bisect.insort(rooms, (room - lengths[i], p))
+    return packs
+
+
+@torch.no_grad()
+def score(model: train_gpt.GPT, window: int, long_window: int | None, requests: list[tuple[list[int], int]],
+          capacity: int, every_position: bool = False) -> list[tuple[float, bool]]:
+    """For each request (tokens, n): the log-probability of its last n tokens given the tokens before them, and
+    whether each of them was the most likely token. Requests are packed into sequences of capacity positions (a
+    request of T tokens takes T - 1: its last token is only predicted). every_position: the lm_head and softcap
+    at all positions, the scored ones picked after (tools/bench_evaluate.py's comparison)."""
+    device = model.embed.weight.device
+    lengths = [len(tokens) - 1 for tokens, _ in requests]
+    results = [None] * len(requests)
+    for members in pack(lengths, [tokens[0] == EOT for tokens, _ in requests], capacity):
+        inputs, starts, positions, targets, offset = [], [], [], [], 0
+        for i in members:
+            tokens, n = requests[i]
+            inputs += tokens[:-1]
+            starts.append(offset)
+            positions += range(offset + lengths[i] - n, offset + lengths[i])
+            targets += tokens[-n:]
+            offset += lengths[i]
+        sequence = sample.pad_to_blocks(torch.tensor(inputs, device=device))
+        restarts = torch.zeros(sequence.numel(), dtype=torch.bool, device=device)
+        restarts[starts] = True  # each request as if alone: rotary positions from 0, no smear from the one before
+        x = model.trunk(sequence, window, long_window=long_window, restarts=restarts)[0]
+        positions = torch.tensor(positions, device=device)
+        logits = model.softcapped_logits(x)[positions] if every_position else model.softcapped_logits(x[positions])
+        logits = logits.float()[:, :model.vocab_size]  # the padding rows are no tokens
+        targets = torch.tensor(targets, device=device)
+        logprobs = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0].double()
+        greedy = logits.argmax(-1) == targets
+        counts = [requests[i][1] for i in members]
+        for i, lp, g in zip(members, logprobs.split(counts), greedy.split(counts)):
+            results[i] = (lp.sum().item(), bool(g.all()))
+    return results
+
+
+class CheckpointLM(TemplateLM):
+    """A train_gpt.py model as the harness's language model: loglikelihood, loglikelihood_rolling (perplexity
+    tasks) and generate_until (greedy, or sampled where a task asks, through tools/sample.py's KV cache)."""
+
+    def __init__(self, model: train_gpt.GPT, window: int, long_window: int | None, encoding, batch_tokens: int):
+        super().__init__()
+        self.model, self.window, self.long_window, self.encoding = model, window, long_window, encoding
+        self.batch_tokens = batch_tokens
+        self.max_length = batch_tokens  # the positions of the longest request; longer ones lose their start
+
+    @property
+    def eot_token_id(self) -> int:
+        return EOT
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.encoding.encode(string, allowed_special={ENDOFTEXT})
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.encoding.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        scored = []
+        for _, context, continuation in requests:
+            tokens = context + continuation
+            if tokens[0] != EOT:
+                tokens = [EOT, *tokens]  # a new document, as every training document starts
+            scored.append((tokens[-(self.max_length + 1):], min(len(continuation), self.max_length)))
+        return score(self.model, self.window, self.long_window, scored, self.batch_tokens)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owners = [], []
+        for k, request in enumerate(requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    self.tok_encode(request.args[0]), EOT, self.max_length, 1)):
+                windows.append((context + continuation, len(continuation)))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (logprob, _) in zip(owners, score(self.model, self.window, self.long_window, windows, self.batch_tokens)):
+            totals[k] += logprob
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        return [self.generate(*request.args) for request in requests]
+
+    def generate(self, context: str, gen_kwargs: dict) -> str:
+        """The continuation of context up to the first of gen_kwargs' stop strings (until) or <|endoftext|>, at
+        most max_gen_toks tokens: greedy unless do_sample (then at temperature, top_k)."""
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+        temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
+        prompt = sample.prompt_tokens(self.encoding, context)
+        prompt = prompt[-max(self.model.max_seq_len - max_new, 1):]
+        generator = torch.Generator(self.model.embed.weight.device).manual_seed(int(gen_kwargs.get("seed", 0)))
+        decoder, text = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
+        for token in sample.generate(self.model, prompt, max_new, self.window, temperature,
+                                     int(gen_kwargs.get("top_k", 0)), generator, long_window=self.long_window):
+            if token == EOT:
+                break
+            text += decoder.decode(self.encoding.decode_single_token_bytes(token))
+            stops = [text.find(stop) for stop in until if stop in text]
+            if stops:
+                return text[:min(stops)]
+        return text + decoder.decode(b"", final=True)
+
+
+def load_tasks(task_manager, names: list[str]):
+    """The tasks' data loaded once (the harness then reads its cache), or a ConfigError of one line that names the
+    task and what to do."""
+    unknown = [name for name in names if name not in task_manager.all_tasks]
+    if unknown:
+        raise train_gpt.ConfigError(f"--tasks: unknown task {unknown[0]}; `lm-eval ls tasks` lists them, and a task "
+                                    f"YAML of your own goes in a folder named by --include_path")
+    for name in names:
+        try:
+            task_manager.load([name])
+        except Exception as e:  # datasets and the hub raise many kinds; each means the data is not to be had
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise train_gpt.ConfigError(
+                f"task {name}: its data could not be loaded ({message}); without network, give a local copy "
+                f"through a task YAML in --include_path, or set HF_ENDPOINT to a mirror") from None
+
+
+def results_path(directory: Path, checkpoint: Path, names: list[str], suffix: str) -> Path:
+    return directory / f"{checkpoint.stem}_{'+'.join(names)}{suffix}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("checkpoint", help="a .pt file written by train_gpt.py")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
+    parser.add_argument("--limit", type=float, default=None, help="at most this many examples a task (or a fraction)")
+    parser.add_argument("--num_fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    parser.add_argument("--batch_tokens", type=int, default=8192, help="positions of one packed forward")
+    parser.add_argument("--dtype", choices=["auto", *train_gpt.DTYPES], default="auto",
+                        help="activations: auto is bfloat16 on CUDA and on CPUs that multiply it natively")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", type=Path, default=None, help="folder of the results (default: the checkpoint's)")
+    parser.add_argument("--include_path", default=None, help="a folder of task YAMLs of your own (local data), "
+                        "beside tools/eval_tasks")
+    parser.add_argument("--log_samples", action="store_true", help="also write every example's requests and scores")
+    args = parser.parse_args(argv)
+    if args.batch_tokens < train_gpt.BLOCK_SIZE:
+        parser.error(f"--batch_tokens must be at least {train_gpt.BLOCK_SIZE}")
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable, make_table
+    except ImportError:
+        print("error: lm-eval is not installed: ./run.sh eval installs it (requirements-eval.txt)", file=sys.stderr)
+        return 2
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    device = torch.device(args.device)
+    checkpoint = Path(args.checkpoint)
+    names = [name for name in args.tasks.split(",") if name]
+    output = args.output or checkpoint.parent
+    try:
+        dtype = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
+        model, window, long_window = sample.load_model(checkpoint, device, args.batch_tokens, dtype)
+        if device.type == "cuda":
+            sample.compile_for_generation(model)
+        lm = CheckpointLM(model, window, long_window, get_gpt2_encoding(), args.batch_tokens)
+        task_manager = TaskManager(include_path=[str(LOCAL_TASKS), *([args.include_path] if args.include_path else [])])
+        load_tasks(task_manager, names)
+        output.mkdir(parents=True, exist_ok=True)
+    except (train_gpt.ConfigError, TokenizerError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager, limit=args.limit,
+                                      num_fewshot=args.num_fewshot, log_samples=args.log_samples,
+                                      verbosity="WARNING")
+    samples = results.pop("samples", {})
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    written = [results_path(output, checkpoint, names, ".json")]
+    with atomic_write(written[0]) as f:
+        f.write(json.dumps(results, indent=2, default=handle_non_serializable).encode())
+    for task, task_samples in samples.items():
+        written.append(results_path(output, checkpoint, [task], "_samples.jsonl"))
+        with atomic_write(written[-1]) as f:
+            f.writelines(json.dumps(s, default=handle_non_serializable).encode() + b"\n" for s in task_samples)
+    print(f"results: {', '.join(map(str, written))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
