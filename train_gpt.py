@@ -831,6 +831,8 @@ class GPT(nn.Module):
         ve = [table(tokens)[None] for table in self.value_embeds]
         positions = 0 if cache is None else len(cache)
         if restarts is not None:
+            if cache is not None:
+                raise ValueError("restarts are for whole sequences: not with a cache")
             index = torch.arange(tokens.numel(), device=tokens.device)
             positions = index - torch.where(restarts, index, 0).cummax(0).values
         x = self.embed(tokens)
@@ -1259,25 +1261,26 @@ PRESETS = {
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
         muon_cautious_wd=10.0,  # the records' form, tied to lr^2: 10 and 40 alike (records/track_cpu/README.md)
-        # The 2025-09-11 to 11-18 records' other pieces, as the 09-10 record had them: unmeasured at this size.
+        smear=True,  # the 2025-09-18 record's smear: lower on every paired seed (records/track_cpu/README.md)
+        # The 2025-09-11 to 11-18 records' pieces that measured no better here, as the 09-10 record had them.
+        skip_gates=False,
+        backout_layer=-1,
+        adam_every=1,
+        skip_layers="all",
+        residual_lambda_init=1.0,
+        mlp_up_lr_mul=1.0,
+        # Their other pieces, likewise: unmeasured at this size.
         extension_steps=0,
         final_long_window=0,
         first_layer_attention=True,
-        smear=False,
-        skip_gates=False,
-        backout_layer=-1,
         rotary_in_run_dtype=False,
         head_and_gates_in_run_dtype=False,
         loss_in_run_dtype=False,
         adam_beta1=0.8,
         adam_eps=1e-10,
-        adam_every=1,
         adam_state_in_run_dtype=False,
         muon_lr=0.05,
-        mlp_up_lr_mul=1.0,
         muon_momentum_cooldown_steps=0,
-        skip_layers="all",
-        residual_lambda_init=1.0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
         exact_grad_sum=False,  # costs time every step; tests comparing world sizes switch it on

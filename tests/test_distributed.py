@@ -278,7 +278,8 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
     assert "distributed: world size 2, backend gloo" in two.log
     halfway = tmp_path / "two" / "ckpt" / "run" / "step_000004.pt"
     momentum = torch.load(halfway, map_location="cpu", weights_only=True)["optimizers"][1]["state"]
-    assert len(momentum) == sum(p.ndim >= 2 for n, p in one_process.params().items() if n.startswith("blocks."))
+    muon_params = [n for n, p in one_process.params().items() if p.ndim >= 2 and n.startswith(("blocks.", "smear_gate."))]
+    assert len(momentum) == len(muon_params) and "smear_gate.weight" in muon_params  # the cpu preset smears
     resumed = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
                      train_args(tmp_path / "one", 2, *tiny_shards, f"--resume={halfway}"))
     pa, pb = one_process.params(), resumed.params()

@@ -110,7 +110,7 @@ def test_rolling_loglikelihood_sums_the_windows_each_alone(models, gpt2_encoding
     text = " ".join(f"word{i}" for i in range(150))
     tokens = gpt2_encoding.encode(text)
     assert len(tokens) > 256
-    lm = evaluate.CheckpointLM(model, window, None, gpt2_encoding, 128)
+    lm = evaluate.CheckpointLM(model, window, None, gpt2_encoding, 128, max_length=128)
     [rolling] = lm.loglikelihood_rolling([Request(text)])
     exact_model = copy.deepcopy(model).double().requires_grad_()
     windows = [([EOT, *tokens[:128]], 128), (tokens[127:256], 128), (tokens[-129:], len(tokens) - 256)]
@@ -122,7 +122,7 @@ def test_rolling_loglikelihood_sums_the_windows_each_alone(models, gpt2_encoding
 
 def test_loglikelihood_puts_an_eot_before_each_context_and_truncates_from_the_left(models, gpt2_encoding):
     model, window = models["u-net"], 2
-    lm = evaluate.CheckpointLM(model, window, None, gpt2_encoding, 128)
+    lm = evaluate.CheckpointLM(model, window, None, gpt2_encoding, 128, max_length=128)
     context, continuation = "The cat sat on the", " mat"
     [(logprob, _)] = lm.loglikelihood([Request(context, continuation)])
     tokens = [EOT, *gpt2_encoding.encode(context + continuation)]
@@ -184,8 +184,8 @@ def test_hellaswag_through_the_harness_scores_acc_and_acc_norm_as_by_hand(traine
     printed = capsys.readouterr().out
     assert re.search(r"\|hellaswag_invented\|.*\|acc\s*\|", printed) and "acc_norm" in printed
     results = json.loads((out / f"{checkpoint.stem}_hellaswag_invented.json").read_text())["results"]["hellaswag_invented"]
-    model, window, long_window = sample.load_model(checkpoint, torch.device("cpu"), 8192, "float32")
-    lm = evaluate.CheckpointLM(model, window, long_window, gpt2_encoding, 8192)
+    model, window, long_window = sample.load_model(checkpoint, torch.device("cpu"), evaluate.DEFAULT_MAX_LENGTH, "float32")
+    lm = evaluate.CheckpointLM(model, window, long_window, gpt2_encoding, evaluate.DEFAULT_MAX_LENGTH)  # as main()
     samples = [json.loads(line) for line in
                (out / f"{checkpoint.stem}_hellaswag_invented_samples.jsonl").read_text().splitlines()]
     assert sorted(sample_["doc_id"] for sample_ in samples) == list(range(20))
@@ -207,15 +207,22 @@ def test_hellaswag_through_the_harness_scores_acc_and_acc_norm_as_by_hand(traine
     assert correct != correct_norm or results["acc,none"] not in (0, 1)  # the scores decide, not a constant
 
 
+def cycle_lm(trained, encoding, max_length: int) -> tuple[evaluate.CheckpointLM, list[int]]:
+    """The cycle model as the harness's model (float32, 512-position packs), and 40 tokens of its cycle from 3."""
+    checkpoint, successor, _ = trained
+    model, window, long_window = sample.load_model(checkpoint, torch.device("cpu"), 512, "float32")
+    walk = [3]
+    while len(walk) < 40:
+        walk.append(int(successor[walk[-1]]))
+    return evaluate.CheckpointLM(model, window, long_window, encoding, 512, max_length=max_length), walk
+
+
 def test_generation_stops_at_its_stop_string_and_equals_greedy_sampling(trained, gpt2_encoding, capsys):
     """generate_until on the cycle model: up to the first stop string, or max_gen_toks tokens of greedy
     tools/sample.py (its own output, run in this process)."""
-    checkpoint, successor, _ = trained
-    model, window, long_window = sample.load_model(checkpoint, torch.device("cpu"), 512, "float32")
-    lm = evaluate.CheckpointLM(model, window, long_window, gpt2_encoding, 512)
-    walk = [7]
-    while len(walk) < 10:
-        walk.append(int(successor[walk[-1]]))
+    checkpoint = trained[0]
+    lm, walk = cycle_lm(trained, gpt2_encoding, 512)
+    walk = walk[:10]
     prompt = gpt2_encoding.decode(walk)
     assert sample.main([str(checkpoint), "--prompt", prompt, "--temperature=0", "--max_new_tokens=30",
                         "--device=cpu", "--dtype=float32"]) == 0
@@ -226,6 +233,29 @@ def test_generation_stops_at_its_stop_string_and_equals_greedy_sampling(trained,
     stop = greedy[12:14]
     [cut] = lm.generate_until([Request(prompt, dict(until=["NEVER", stop], max_gen_toks=30))])
     assert cut == greedy[:greedy.index(stop)] and len(cut) <= 12
+    [alias, short] = lm.generate_until([Request(prompt, dict(until=[], max_new_tokens=5)),  # the harness's alias
+                                        Request(prompt, dict(until=[], max_gen_toks=5))])
+    assert alias == short and greedy.startswith(short) and len(short) < len(greedy)
+    with pytest.raises(evaluate.EvaluationError, match="max_gen_toks=512 leaves no room for a prompt"):
+        lm.generate_until([Request(prompt, dict(until=[], max_gen_toks=512))])
+
+
+def test_the_greedy_flag_and_requests_that_cannot_be_scored(trained, gpt2_encoding):
+    """On the cycle model: a continuation that follows the cycle is each model's most likely token (greedy), one
+    token off the cycle is not; an empty continuation or one longer than max_length is refused in one line."""
+    lm, walk = cycle_lm(trained, gpt2_encoding, 256)
+    successor = trained[1]
+    off = walk[30:] + [(walk[-1] + 1) % 64 if (walk[-1] + 1) % 64 != successor[walk[-1]] else (walk[-1] + 2) % 64]
+    [(on_lp, on_greedy), (off_lp, off_greedy)] = lm._loglikelihood_tokens(
+        [(("", ""), [EOT, *walk[:30]], walk[30:]), (("", ""), [EOT, *walk[:30]], off)])
+    assert on_greedy and not off_greedy and off_lp < on_lp
+    with pytest.raises(evaluate.EvaluationError, match="a continuation of 0 tokens cannot be scored"):
+        lm._loglikelihood_tokens([(("a", ""), [EOT, 5], [])])
+    with pytest.raises(evaluate.EvaluationError, match="a continuation of 257 tokens cannot be scored within "
+                                                      "--max_length=256"):
+        lm._loglikelihood_tokens([(("a", "b" * 257), [EOT, 5], [6] * 257)])
+    with pytest.raises(evaluate.EvaluationError, match="--max_length=1024 must be positive and at most --batch_tokens=512"):
+        evaluate.CheckpointLM(lm.model, lm.window, lm.long_window, gpt2_encoding, 512)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +283,7 @@ def test_a_checkpoint_of_each_preset_scores_as_its_model_alone(request, preset):
     checkpoint = request.getfixturevalue("trained" if preset == "cpu" else "record_preset_checkpoint")
     checkpoint = checkpoint[0] if preset == "cpu" else checkpoint
     state = torch.load(checkpoint, weights_only=True)
-    assert state["hyperparameters"]["smear"] == (preset == "record")
+    assert state["hyperparameters"]["first_layer_attention"] == (preset == "cpu")
     model, window, long_window = sample.load_model(checkpoint, torch.device("cpu"), 512, "float32")
     assert (long_window == 3) == (preset == "record")
     requests = requests_of(2)[:6]
@@ -267,7 +297,7 @@ def test_a_checkpoint_of_each_preset_scores_as_its_model_alone(request, preset):
 @pytest.mark.parametrize("make_args, message", [
     (lambda tmp, ckpt: [str(tmp / "missing.pt"), "--tasks=hellaswag_local"], "no such checkpoint"),
     (lambda tmp, ckpt: [str(ckpt), "--tasks=no_such_task"], "--tasks: unknown task no_such_task;"),
-    (lambda tmp, ckpt: [str(ckpt), "--tasks=hellaswag_local"], "task hellaswag_local: its data could not be loaded"),
+    (lambda tmp, ckpt: [str(ckpt), "--tasks=hellaswag_local"], "task hellaswag_local: could not be loaded (FileNotFoundError: "),
 ])
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, monkeypatch, gpt2_ranks_file, make_args,
                                           message):

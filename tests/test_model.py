@@ -243,6 +243,16 @@ def test_rotary_rotates_a_quarter_of_the_pairs_by_the_documented_frequencies():
     assert ((out[1:, :, moving] - x[:, moving]).abs() > bound[1:, :, moving]).float().mean() > 0.9
 
 
+def test_rotary_at_each_tokens_own_position_equals_the_slice_from_a_first_position():
+    """Rotary.forward with a position per token (evaluation's packed requests, each from 0) reads the same table rows
+    as with the first position of a run of them: equal to the bit, also for positions that restart."""
+    torch.manual_seed(2)
+    rotary, x = train_gpt.Rotary(HEAD_DIM, max_seq_len=64), torch.randn(1, 10, 2, HEAD_DIM)
+    assert torch.equal(rotary(x, torch.arange(7, 17)), rotary(x, 7))
+    restarted = rotary(x, torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5]))
+    assert torch.equal(restarted[:, :4], rotary(x[:, :4])) and torch.equal(restarted[:, 4:], rotary(x[:, 4:]))
+
+
 def test_rotary_dot_product_depends_only_on_offset():
     """<R_m q, R_n k> = <R_(m-n) q, k>: each float32 dot product, its positions shifted or not, lies within
     its derived bound of that float64 function of the offset; two offsets' dot products lie further apart

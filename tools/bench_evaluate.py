@@ -3,7 +3,7 @@ context and four endings, each a request of its own), for the cpu preset's model
 one, randomly initialized, in three ways: packed into --batch_tokens sequences with the lm_head at the scored
 positions (the tool's way), one request a forward, and packed with the lm_head at every position.
 
-    python tools/bench_evaluate.py [--contexts=25] [--batch_tokens=8192] [--dtype=auto] [--presets=cpu,record]
+    python tools/bench_evaluate.py [--contexts=25] [--batch_tokens=N] [--dtype=auto] [--presets=cpu,record]
 """
 
 import argparse
@@ -74,19 +74,20 @@ def bench(preset: str, contexts: int, batch_tokens: int, dtype: str, device: tor
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=25, help="HellaSwag-shaped examples (4 requests each)")
-    parser.add_argument("--batch_tokens", type=int, default=8192)
+    parser.add_argument("--batch_tokens", type=int, default=None, help="default: evaluate.py's")
     parser.add_argument("--dtype", choices=["auto", *train_gpt.DTYPES], default="auto")
     parser.add_argument("--presets", default="cpu,record")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", default=None, choices=["true", "false"], help="default: on CUDA, as evaluate.py")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    batch_tokens = args.batch_tokens or evaluate.default_batch_tokens(device, evaluate.DEFAULT_MAX_LENGTH)
     dtype = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with torch.no_grad():
         for preset in args.presets.split(","):
             compile = args.compile == "true" if args.compile else device.type == "cuda"
-            print("\n".join(bench(preset, args.contexts, args.batch_tokens, dtype, device, compile)), flush=True)
+            print("\n".join(bench(preset, args.contexts, batch_tokens, dtype, device, compile)), flush=True)
     return 0
 
 

@@ -18,9 +18,9 @@ where a token is scored.
 
 import argparse
 import bisect
-import codecs
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +43,20 @@ except ImportError:  # main() says how to install it
 
 EOT = train_gpt.EOT_TOKEN
 LOCAL_TASKS = ROOT / "tools" / "eval_tasks"  # the repository's task YAMLs of local files, always included
-DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for generate_until
+DEFAULT_MAX_LENGTH = 1024  # GPT-2's context, under which its published scores were made
+# Scored positions whose logits a CPU makes at once: few enough that the passes over them (softcap, log-softmax,
+# argmax) stay in its cache. A GPU makes a sequence's at once.
+CPU_LOGIT_ROWS = 32
+
+
+def default_batch_tokens(device: torch.device, max_length: int) -> int:
+    """A packed forward's positions: on CPU one request's longest, since its dense attention costs the square of a
+    sequence's length; on a GPU 8192, enough to keep it busy."""
+    return max_length if device.type == "cpu" else max(8192, max_length)
+
+
+class EvaluationError(ValueError):
+    """A request the model cannot score as asked (main() reports it in one line)."""
 
 
 def pack(lengths: list[int], starts_document: list[bool], capacity: int) -> list[list[int]]:
@@ -88,12 +101,15 @@ def score(model: train_gpt.GPT, window: int, long_window: int | None, requests: 
         restarts = torch.zeros(sequence.numel(), dtype=torch.bool, device=device)
         restarts[starts] = True  # each request as if alone: rotary positions from 0, no smear from the one before
         x = model.trunk(sequence, window, long_window=long_window, restarts=restarts)[0]
-        positions = torch.tensor(positions, device=device)
-        logits = model.softcapped_logits(x)[positions] if every_position else model.softcapped_logits(x[positions])
-        logits = logits.float()[:, :model.vocab_size]  # the padding rows are no tokens
-        targets = torch.tensor(targets, device=device)
-        logprobs = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0].double()
-        greedy = logits.argmax(-1) == targets
+        if every_position:
+            x = model.softcapped_logits(x)
+        logprobs, greedy, chunk = [], [], CPU_LOGIT_ROWS if device.type == "cpu" else len(positions)
+        for rows, wanted in zip(torch.tensor(positions, device=device).split(chunk),
+                                torch.tensor(targets, device=device).split(chunk)):
+            logits = (x[rows] if every_position else model.softcapped_logits(x[rows])).float()[:, :model.vocab_size]
+            logprobs.append(logits.log_softmax(-1).gather(1, wanted[:, None])[:, 0].double())
+            greedy.append(logits.argmax(-1) == wanted)  # the padding rows are no tokens: cut off above
+        logprobs, greedy = torch.cat(logprobs), torch.cat(greedy)
         counts = [requests[i][1] for i in members]
         for i, lp, g in zip(members, logprobs.split(counts), greedy.split(counts)):
             results[i] = (lp.sum().item(), bool(g.all()))
@@ -104,11 +120,15 @@ class CheckpointLM(TemplateLM):
     """A train_gpt.py model as the harness's language model: loglikelihood, loglikelihood_rolling (perplexity
     tasks) and generate_until (greedy, or sampled where a task asks, through tools/sample.py's KV cache)."""
 
-    def __init__(self, model: train_gpt.GPT, window: int, long_window: int | None, encoding, batch_tokens: int):
+    def __init__(self, model: train_gpt.GPT, window: int, long_window: int | None, encoding, batch_tokens: int,
+                 max_length: int = DEFAULT_MAX_LENGTH, seed: int = 0):
         super().__init__()
+        if not 0 < max_length <= batch_tokens:
+            raise EvaluationError(f"--max_length={max_length} must be positive and at most --batch_tokens={batch_tokens}")
         self.model, self.window, self.long_window, self.encoding = model, window, long_window, encoding
         self.batch_tokens = batch_tokens
-        self.max_length = batch_tokens  # the positions of the longest request; longer ones lose their start
+        self.max_length = max_length  # the positions of the longest request; longer ones lose their start
+        self.generator = torch.Generator(model.embed.weight.device).manual_seed(seed)  # one stream: repeats differ
 
     @property
     def eot_token_id(self) -> int:
@@ -122,11 +142,14 @@ class CheckpointLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         scored = []
-        for _, context, continuation in requests:
+        for (context_text, continuation_text), context, continuation in requests:
+            if not 0 < len(continuation) <= self.max_length:
+                raise EvaluationError(f"a continuation of {len(continuation)} tokens cannot be scored within "
+                                      f"--max_length={self.max_length}: {continuation_text[:60]!r}")
             tokens = context + continuation
             if tokens[0] != EOT:
                 tokens = [EOT, *tokens]  # a new document, as every training document starts
-            scored.append((tokens[-(self.max_length + 1):], min(len(continuation), self.max_length)))
+            scored.append((tokens[-(self.max_length + 1):], len(continuation)))
         return score(self.model, self.window, self.long_window, scored, self.batch_tokens)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -147,25 +170,26 @@ class CheckpointLM(TemplateLM):
         return [self.generate(*request.args) for request in requests]
 
     def generate(self, context: str, gen_kwargs: dict) -> str:
-        """The continuation of context up to the first of gen_kwargs' stop strings (until) or <|endoftext|>, at
-        most max_gen_toks tokens: greedy unless do_sample (then at temperature, top_k)."""
-        until = gen_kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
-        max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-        temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
-        prompt = sample.prompt_tokens(self.encoding, context)
-        prompt = prompt[-max(self.model.max_seq_len - max_new, 1):]
-        generator = torch.Generator(self.model.embed.weight.device).manual_seed(int(gen_kwargs.get("seed", 0)))
-        decoder, text = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
-        for token in sample.generate(self.model, prompt, max_new, self.window, temperature,
-                                     int(gen_kwargs.get("top_k", 0)), generator, long_window=self.long_window):
-            if token == EOT:
-                break
-            text += decoder.decode(self.encoding.decode_single_token_bytes(token))
+        """The continuation of context up to the first stop string (the harness's until) or <|endoftext|>, at most
+        max_gen_toks tokens: greedy unless the task samples (at its temperature and top_k)."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+        kwargs = normalize_gen_kwargs(gen_kwargs)
+        until, max_new = handle_stop_sequences(kwargs.pop("until", None), None), kwargs["max_gen_toks"]
+        room = self.max_length - max_new
+        if room < 1:
+            raise EvaluationError(f"max_gen_toks={max_new} leaves no room for a prompt within --max_length={self.max_length}")
+        prompt = sample.prompt_tokens(self.encoding, context)[-room:]
+        temperature = float(kwargs.get("temperature", 0.0)) if kwargs["do_sample"] else 0.0
+        tokens = sample.generate(self.model, prompt, max_new, self.window, temperature,
+                                 int(kwargs.get("top_k", 0)), self.generator, long_window=self.long_window)
+        text = ""
+        for piece in sample.text_of(self.encoding, tokens):
+            text += piece
             stops = [text.find(stop) for stop in until if stop in text]
             if stops:
                 return text[:min(stops)]
-        return text + decoder.decode(b"", final=True)
+        return text
 
 
 def load_tasks(task_manager, names: list[str]):
@@ -178,11 +202,14 @@ def load_tasks(task_manager, names: list[str]):
     for name in names:
         try:
             task_manager.load([name])
-        except Exception as e:  # datasets and the hub raise many kinds; each means the data is not to be had
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise train_gpt.ConfigError(
-                f"task {name}: its data could not be loaded ({message}); without network, give a local copy "
-                f"through a task YAML in --include_path, or set HF_ENDPOINT to a mirror") from None
+        except Exception as e:  # datasets, the hub and a task's own code raise many kinds
+            message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            data = isinstance(e, (OSError, ConnectionError)) or any(
+                word in type(e).__name__ for word in ("NotFound", "Offline", "Connection", "HTTP"))
+            hint = ("without network, give a local copy through a task YAML (tools/eval_tasks, --include_path; "
+                    "relative paths are from the working directory), or set HF_ENDPOINT to a mirror" if data else
+                    "see the task's YAML and its functions")
+            raise train_gpt.ConfigError(f"task {name}: could not be loaded ({message}); {hint}") from None
 
 
 def results_path(directory: Path, checkpoint: Path, names: list[str], suffix: str) -> Path:
@@ -197,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
     parser.add_argument("--limit", type=float, default=None, help="at most this many examples a task (or a fraction)")
     parser.add_argument("--num_fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
-    parser.add_argument("--batch_tokens", type=int, default=8192, help="positions of one packed forward")
+    parser.add_argument("--max_length", type=int, default=DEFAULT_MAX_LENGTH,
+                        help="positions of the longest request; a longer one loses its start (rolling windows' length)")
+    parser.add_argument("--batch_tokens", type=int, default=None,
+                        help="positions of one packed forward (default: --max_length on CPU, 8192 on a GPU)")
     parser.add_argument("--dtype", choices=["auto", *train_gpt.DTYPES], default="auto",
                         help="activations: auto is bfloat16 on CUDA and on CPUs that multiply it natively")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -206,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         "beside tools/eval_tasks")
     parser.add_argument("--log_samples", action="store_true", help="also write every example's requests and scores")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.batch_tokens = args.batch_tokens or default_batch_tokens(device, args.max_length)
     if args.batch_tokens < train_gpt.BLOCK_SIZE:
         parser.error(f"--batch_tokens must be at least {train_gpt.BLOCK_SIZE}")
     try:
@@ -216,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: lm-eval is not installed: ./run.sh eval installs it (requirements-eval.txt)", file=sys.stderr)
         return 2
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    device = torch.device(args.device)
     checkpoint = Path(args.checkpoint)
     names = [name for name in args.tasks.split(",") if name]
     output = args.output or checkpoint.parent
@@ -225,27 +256,33 @@ def main(argv: list[str] | None = None) -> int:
         model, window, long_window = sample.load_model(checkpoint, device, args.batch_tokens, dtype)
         if device.type == "cuda":
             sample.compile_for_generation(model)
-        lm = CheckpointLM(model, window, long_window, get_gpt2_encoding(), args.batch_tokens)
+        lm = CheckpointLM(model, window, long_window, get_gpt2_encoding(), args.batch_tokens, args.max_length)
         task_manager = TaskManager(include_path=[str(LOCAL_TASKS), *([args.include_path] if args.include_path else [])])
         load_tasks(task_manager, names)
         output.mkdir(parents=True, exist_ok=True)
-    except (train_gpt.ConfigError, TokenizerError, OSError) as e:
+        if not os.access(output, os.W_OK | os.X_OK):
+            raise train_gpt.ConfigError(f"--output={output}: not a folder this user can write to")
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager, limit=args.limit,
+                                          num_fewshot=args.num_fewshot, log_samples=args.log_samples,
+                                          verbosity="WARNING")
+    except (train_gpt.ConfigError, TokenizerError, EvaluationError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager, limit=args.limit,
-                                      num_fewshot=args.num_fewshot, log_samples=args.log_samples,
-                                      verbosity="WARNING")
     samples = results.pop("samples", {})
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
     written = [results_path(output, checkpoint, names, ".json")]
-    with atomic_write(written[0]) as f:
-        f.write(json.dumps(results, indent=2, default=handle_non_serializable).encode())
-    for task, task_samples in samples.items():
-        written.append(results_path(output, checkpoint, [task], "_samples.jsonl"))
-        with atomic_write(written[-1]) as f:
-            f.writelines(json.dumps(s, default=handle_non_serializable).encode() + b"\n" for s in task_samples)
+    try:
+        with atomic_write(written[0]) as f:
+            f.write(json.dumps(results, indent=2, default=handle_non_serializable).encode())
+        for task, task_samples in samples.items():
+            written.append(results_path(output, checkpoint, [task], "_samples.jsonl"))
+            with atomic_write(written[-1]) as f:
+                f.writelines(json.dumps(s, default=handle_non_serializable).encode() + b"\n" for s in task_samples)
+    except OSError as e:
+        print(f"error: {written[-1]}: could not be written ({e.strerror or e})", file=sys.stderr)
+        return 2
     print(f"results: {', '.join(map(str, written))}")
     return 0
 

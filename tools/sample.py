@@ -195,6 +195,17 @@ def generate(model: train_gpt.GPT, prompt: list[int], max_new_tokens: int, windo
             sequence = torch.cat([sequence, new])
 
 
+def text_of(encoding, tokens):
+    """The text of tokens up to the first <|endoftext|>: a piece per token (a character's bytes split between tokens
+    wait for the rest of it), then what the decoder holds at the end."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token in tokens:
+        if token == EOT:
+            break
+        yield decoder.decode(encoding.decode_single_token_bytes(token))
+    yield decoder.decode(b"", final=True)
+
+
 def prompt_tokens(encoding, text: str) -> list[int]:
     tokens = encoding.encode(text, allowed_special={ENDOFTEXT})
     return tokens if tokens[:1] == [EOT] else [EOT, *tokens]
@@ -240,16 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"{'-' * 20} sample {i + 1}/{args.num_samples}", flush=True)
-        # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
-        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        print(text.decode(encoding.decode_bytes(prompt[1:])), end="", flush=True)
-        for token in generate(model, prompt, args.max_new_tokens, window, args.temperature, args.top_k, generator,
-                              long_window=long_window):
-            if token == EOT:
-                break
-            print(text.decode(encoding.decode_single_token_bytes(token)), end="", flush=True)
-            generated += 1
-        print(text.decode(b"", final=True), flush=True)
+        print(encoding.decode(prompt[1:]), end="", flush=True)
+        pieces = text_of(encoding, generate(model, prompt, args.max_new_tokens, window, args.temperature, args.top_k,
+                                            generator, long_window=long_window))
+        for count, piece in enumerate(pieces):
+            print(piece, end="", flush=True)
+        generated += count  # the last piece is the decoder's remainder, not a token
+        print(flush=True)
     now = time.perf_counter()
     print(f"({generated} tokens in {now - t0:.1f} s, {1000 * (now - t0) / max(generated, 1):.1f} ms per token on "
           f"{device}{', compilation included' if args.compile else ''}; {now - STARTED:.1f} s in all, with loading)", file=sys.stderr)
