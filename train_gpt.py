@@ -1262,7 +1262,7 @@ PRESETS = {
         muon_momentum_warmup_steps=30,
         muon_cautious_wd=10.0,  # the records' form, tied to lr^2: 10 and 40 alike (records/track_cpu/README.md)
         smear=True,  # the 2025-09-18 record's smear: lower on every paired seed (records/track_cpu/README.md)
-        # The 2025-09-11 to 11-18 records' pieces that measured no better here, as the 09-10 record had them.
+        # The 2025-09-11 to 11-18 records' pieces measured here without a clear gain, as the 09-10 record had them.
         skip_gates=False,
         backout_layer=-1,
         adam_every=1,

@@ -328,3 +328,15 @@ def test_run_sh_eval_runs_the_tool(trained, hellaswag_task, tmp_path, gpt2_ranks
     assert "installing" not in proc.stderr
     results = json.loads((tmp_path / "out" / f"{trained[0].stem}_hellaswag_invented.json").read_text())
     assert results["n-samples"]["hellaswag_invented"]["effective"] == 8
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--max_length=0"], "--max_length=0 must be at least 1"),
+    (["--max_length=2048", "--batch_tokens=1024"], "--batch_tokens=1024 must hold --max_length=2048"),
+    (["--batch_tokens=0"], "--batch_tokens=0 must hold --max_length=1024"),
+    (["--device=bogus"], "--device=bogus: not a device torch knows"),
+])
+def test_bad_options_are_refused_before_anything_loads(tmp_path, capsys, options, message):
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main([str(tmp_path / "missing.pt"), "--tasks=hellaswag_local", *options])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -52,7 +52,7 @@ CPU_LOGIT_ROWS = 32
 def default_batch_tokens(device: torch.device, max_length: int) -> int:
     """A packed forward's positions: on CPU one request's longest, since its dense attention costs the square of a
     sequence's length; on a GPU 8192, enough to keep it busy."""
-    return max_length if device.type == "cpu" else max(8192, max_length)
+    return max(max_length, train_gpt.BLOCK_SIZE) if device.type == "cpu" else max(8192, max_length)
 
 
 class EvaluationError(ValueError):
@@ -175,7 +175,8 @@ class CheckpointLM(TemplateLM):
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
         kwargs = normalize_gen_kwargs(gen_kwargs)
-        until, max_new = handle_stop_sequences(kwargs.pop("until", None), None), kwargs["max_gen_toks"]
+        until = [stop for stop in handle_stop_sequences(kwargs.pop("until", None), None) if isinstance(stop, str)]
+        max_new = kwargs["max_gen_toks"]
         room = self.max_length - max_new
         if room < 1:
             raise EvaluationError(f"max_gen_toks={max_new} leaves no room for a prompt within --max_length={self.max_length}")
@@ -236,10 +237,17 @@ def main(argv: list[str] | None = None) -> int:
                         "beside tools/eval_tasks")
     parser.add_argument("--log_samples", action="store_true", help="also write every example's requests and scores")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    args.batch_tokens = args.batch_tokens or default_batch_tokens(device, args.max_length)
-    if args.batch_tokens < train_gpt.BLOCK_SIZE:
-        parser.error(f"--batch_tokens must be at least {train_gpt.BLOCK_SIZE}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device={args.device}: not a device torch knows (cpu, cuda, cuda:1, ...)")
+    if args.max_length < 1:
+        parser.error(f"--max_length={args.max_length} must be at least 1")
+    if args.batch_tokens is None:
+        args.batch_tokens = default_batch_tokens(device, args.max_length)
+    if args.batch_tokens < max(args.max_length, train_gpt.BLOCK_SIZE):
+        parser.error(f"--batch_tokens={args.batch_tokens} must hold --max_length={args.max_length} and be at least "
+                     f"{train_gpt.BLOCK_SIZE}")
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
