@@ -399,9 +399,10 @@ class Adam(torch.optim.Optimizer):
                 # The lr and both bias corrections in double precision, as the record's Python floats, then in a CPU
                 # scalar: an input of the compiled update (a Python float would recompile it at every new value).
                 t = state["step"]
-                step_size = self.step_sizes.setdefault(p, torch.zeros((), dtype=torch.float32))
-                step_size.fill_(group["lr"] * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
-                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step_size, beta1, beta2, eps)
+                if p not in self.step_sizes:
+                    self.step_sizes[p] = torch.zeros((), dtype=torch.float32)
+                self.step_sizes[p].fill_(group["lr"] * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
+                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_sizes[p], beta1, beta2, eps)
 
 
 # ------------------------------------------------------------------------------------------------

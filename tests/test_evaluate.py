@@ -17,7 +17,10 @@ import torch.nn.functional as F
 from conftest import ROOT
 from rounding import assert_within, first_order_bound
 from test_model import randomize_, records_structure_gpt
-from test_sample import EOT, FAST_ADAM_LRS, cycle_shards, one_thread, trained  # noqa: F401  (fixtures; one_thread autouse)
+from test_sample import (EOT, FAST_ADAM_LRS, cycle_shards, one_thread, randomized_gpt,  # noqa: F401  (fixtures;
+                         randomized_records_structure_gpt, trained)                     # one_thread autouse)
+
+STRUCTURES = {"u-net": "randomized_gpt", "records": "randomized_records_structure_gpt"}  # test_sample's models
 
 import train_gpt
 
@@ -51,21 +54,13 @@ def requests_of(seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def models():
-    torch.manual_seed(0)
-    u_net = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512, windows=(1, 2, 3))
-    records = records_structure_gpt(num_layers=4, backout_layer=2, windows=(1, 2, 3), skip_layers=(2,))
-    return {"u-net": randomize_(u_net, seed=0).eval(), "records": randomize_(records, seed=0).eval()}
-
-
 @pytest.mark.parametrize("structure", ["u-net", "records"])
-def test_packed_loglikelihoods_equal_each_request_alone_within_the_derived_bound(models, structure):
+def test_packed_loglikelihoods_equal_each_request_alone_within_the_derived_bound(request, structure):
     """Requests packed 3 or 4 to a 512-position forward, and one per forward, against each request's own full
     forward in float64, within the first-order bound of that forward's float32 rounding (tests/rounding.py): the
     packed forward rounds the same operations on the same values, on other row counts. In the records' structure
     the smear would carry each request's last token into the next one's first: without restarts, packing fails."""
-    model, window = models[structure], 2
+    model, window = request.getfixturevalue(STRUCTURES[structure]), 2
     requests = requests_of(1)
     exact_model = copy.deepcopy(model).double().requires_grad_()
     expected = [first_order_bound(lambda t=tokens, n=n: alone(exact_model, t, n, window)) for tokens, n in requests]
@@ -101,12 +96,12 @@ class Request:  # the harness's Instance, as far as the adapter reads it
         self.args = args
 
 
-def test_rolling_loglikelihood_sums_the_windows_each_alone(models, gpt2_encoding):
+def test_rolling_loglikelihood_sums_the_windows_each_alone(randomized_records_structure_gpt, gpt2_encoding):
     """loglikelihood_rolling over 300 tokens with 128-position windows, as the harness cuts them: the first
     after an EOT; the second after the one token before it; the last the 44 tokens left, after the 84 before them
     (each window 128 positions). Their sum against those three requests' full forwards in float64, within the sum
     of their derived bounds; the whole document in one forward gives another sum."""
-    model, window = models["records"], 3
+    model, window = randomized_records_structure_gpt, 3
     text = " ".join(f"word{i}" for i in range(150))
     tokens = gpt2_encoding.encode(text)
     assert len(tokens) > 256
@@ -120,8 +115,8 @@ def test_rolling_loglikelihood_sums_the_windows_each_alone(models, gpt2_encoding
     assert abs(rolling - whole) > sum(b for _, b in parts)  # the windows' short contexts: not the whole document's
 
 
-def test_loglikelihood_puts_an_eot_before_each_context_and_truncates_from_the_left(models, gpt2_encoding):
-    model, window = models["u-net"], 2
+def test_loglikelihood_puts_an_eot_before_each_context_and_truncates_from_the_left(randomized_gpt, gpt2_encoding):
+    model, window = randomized_gpt, 2
     lm = evaluate.CheckpointLM(model, window, None, gpt2_encoding, 128, max_length=128)
     context, continuation = "The cat sat on the", " mat"
     [(logprob, _)] = lm.loglikelihood([Request(context, continuation)])
@@ -135,15 +130,21 @@ def test_loglikelihood_puts_an_eot_before_each_context_and_truncates_from_the_le
     assert logprob == expected
 
 
+def rotated(items: list, k: int) -> list:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def write_hellaswag(path):
     """20 invented examples in HellaSwag's format (the fields its validation file has), some with WikiHow's
-    bracketed artifacts, which the harness's preprocessing removes."""
+    bracketed artifacts, which the harness's preprocessing removes; the endings' order turns every third example, so
+    that no one position wins everywhere."""
     rows = []
     for i in range(20):
         rows.append(dict(ind=i, activity_label=f"Cooking step {i}", ctx_a=f"A cook picks up pan number {i}.",
                          ctx_b="then [header] the cook" if i % 3 == 0 else "she",
-                         endings=[f"puts it on the stove {i}.", "throws it out the window [title] badly.",
-                                  f"sings to the pan {i % 4}.", "eats the pan."], label=str(i % 4),
+                         endings=rotated([f"puts it on the stove {i}.", "throws it out the window [title] badly.",
+                                          f"sings to the pan {i % 4}.", "eats the pan."], i // 3), label=str(i % 4),
                          split="val", split_type="indomain", source_id=f"invented~{i}"))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
@@ -196,15 +197,18 @@ def test_hellaswag_through_the_harness_scores_acc_and_acc_norm_as_by_hand(traine
     # the harness's 80 requests at once (so packed as it packs them)
     all_scores = [lp for lp, _ in lm.loglikelihood([Request(*prompt) for prompt in prompts])]
     correct = correct_norm = 0
+    picks = set()
     for d, (row, logged) in enumerate(zip(rows, sorted(samples, key=lambda sample_: sample_["doc_id"]))):
         assert [tuple(arguments) for arguments in logged["arguments"]] == prompts[4 * d:4 * d + 4]
         scores, endings = all_scores[4 * d:4 * d + 4], [ending[1:] for _, ending in prompts[4 * d:4 * d + 4]]
         assert [float(resp[0][0]) for resp in logged["resps"]] == scores
         gold = int(row["label"])
+        picks.add(max(range(4), key=lambda k: scores[k]))
         correct += max(range(4), key=lambda k: scores[k]) == gold
         correct_norm += max(range(4), key=lambda k: scores[k] / len(endings[k])) == gold
     assert results["acc,none"] == correct / 20 and results["acc_norm,none"] == correct_norm / 20
     assert correct != correct_norm or results["acc,none"] not in (0, 1)  # the scores decide, not a constant
+    assert len(picks) > 1  # nor one ending picked everywhere (which scores 0.25 here)
 
 
 def cycle_lm(trained, encoding, max_length: int) -> tuple[evaluate.CheckpointLM, list[int]]:
@@ -236,6 +240,7 @@ def test_generation_stops_at_its_stop_string_and_equals_greedy_sampling(trained,
     [alias, short] = lm.generate_until([Request(prompt, dict(until=[], max_new_tokens=5)),  # the harness's alias
                                         Request(prompt, dict(until=[], max_gen_toks=5))])
     assert alias == short and greedy.startswith(short) and len(short) < len(greedy)
+    assert len(short) == 5  # the cycle's tokens (0 to 63) decode to a character each
     with pytest.raises(evaluate.EvaluationError, match="max_gen_toks=512 leaves no room for a prompt"):
         lm.generate_until([Request(prompt, dict(until=[], max_gen_toks=512))])
 
@@ -245,7 +250,8 @@ def test_the_greedy_flag_and_requests_that_cannot_be_scored(trained, gpt2_encodi
     token off the cycle is not; an empty continuation or one longer than max_length is refused in one line."""
     lm, walk = cycle_lm(trained, gpt2_encoding, 256)
     successor = trained[1]
-    off = walk[30:] + [(walk[-1] + 1) % 64 if (walk[-1] + 1) % 64 != successor[walk[-1]] else (walk[-1] + 2) % 64]
+    wrong = (walk[38] + 1) % 64 if (walk[38] + 1) % 64 != successor[walk[38]] else (walk[38] + 2) % 64
+    off = walk[30:39] + [wrong]  # as long as the on-cycle continuation, its last token off the cycle
     [(on_lp, on_greedy), (off_lp, off_greedy)] = lm._loglikelihood_tokens(
         [(("", ""), [EOT, *walk[:30]], walk[30:]), (("", ""), [EOT, *walk[:30]], off)])
     assert on_greedy and not off_greedy and off_lp < on_lp

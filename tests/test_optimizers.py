@@ -640,11 +640,11 @@ def test_the_record_s_muon_gets_the_up_projections_lr_mul_and_the_weight_decay()
 def adam_by_hand(start, grads, lrs, betas, eps, dtype):
     """The record's Adam from start in float64: m, v EMAs of g and g^2 from zero; at step t,
     p -= lr_t * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps). Returns it, a first-order bound on how far
-    train_gpt.Adam's run (states and parameters in dtype, bias corrections in float32 as in the record) lies from
-    it, and the largest relative error in that bound."""
+    train_gpt.Adam's run (states and parameters in dtype; the step size in double precision as the record's Python
+    floats, then rounded once to a float32 scalar) lies from it, and the largest relative error in that bound."""
     beta1, beta2 = betas
-    # the reference's own float64 roundings, as many again
-    u, u_step = (UNIT_ROUNDOFF[kind] + UNIT_ROUNDOFF[torch.float64] for kind in (dtype, torch.float32))
+    # the reference's own float64 roundings, as many again; the step size's are float64 on both sides
+    u, u_step = UNIT_ROUNDOFF[dtype] + UNIT_ROUNDOFF[torch.float64], 2 * UNIT_ROUNDOFF[torch.float64]
     p, m, v, magnitude, bound, relative = start.double(), 0.0, 0.0, 0.0, 0.0, 0.0
     for t, (grad, lr) in enumerate(zip(grads, lrs), start=1):
         g = grad.double()
@@ -653,7 +653,8 @@ def adam_by_hand(start, grads, lrs, betas, eps, dtype):
         step_size = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
         p = p - step_size * m / (v.sqrt() + eps)
         # 1 - beta^t: beta rounded, then to the power t (within EXP_ULPS ulps), errors scaled by beta^t / (1 - beta^t)
-        # in the difference, which rounds too; halved by the sqrt; then the quotient, lr's rounding and its product
+        # in the difference, which rounds too; halved by the sqrt; then the quotient and the product by lr, all in
+        # float64; then the one rounding to the float32 scalar
         power_error = lambda beta: ((t + 2 * EXP_ULPS) * beta**t / (1 - beta**t) + 1) * u_step
         step_size_error = power_error(beta2) / 2 + power_error(beta1) + 4 * u_step + UNIT_ROUNDOFF[torch.float32]
         # m: 3 roundings a step of terms within magnitude; v: 3 a step and 1 more, halved by the sqrt, which rounds;
@@ -685,7 +686,7 @@ def test_adam_is_the_records_formula_computed_by_hand():
         assert_within(p.detach(), expected, bound, "Adam", relative)
         with pytest.raises(AssertionError, match="times the derived bound"):
             assert_within(torch_p.detach(), expected, bound, "torch's Adam", relative)
-        assert adam.state[p]["step"] == 4 and adam.state[p]["exp_avg"].dtype == p.dtype
+        assert adam.state[p]["step"] == 4 and type(adam.state[p]["step"]) is int and adam.state[p]["exp_avg"].dtype == p.dtype
 
 
 def test_adam_keeps_its_moments_in_the_run_dtype_when_asked():
