@@ -58,10 +58,12 @@ def os_reason(error: BaseException) -> str | None:
 def _convert(field: dataclasses.Field, text: str):
     kind = field.type if isinstance(field.type, type) else type(field.default)
     if kind is tuple:
+        item = type(field.default[0]) if field.default else int  # a tuple's items are of its default's kind
         try:
-            return tuple(int(item) for item in text.split(","))
+            return tuple(item(part) for part in text.split(","))
         except ValueError:
-            raise ConfigError(f"--{field.name}={text}: expected integers separated by commas") from None
+            raise ConfigError(f"--{field.name}={text}: expected {'integers' if item is int else 'numbers'} separated "
+                              f"by commas") from None
     if kind is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -288,7 +290,7 @@ def flops_per_token(model, args) -> float:
     """Training FLOPs per token: 6 per matmul weight, plus QK^T and AV (forward and backward) over the keys a
     query sees on average, half its layer's window (or sequence), averaged over the window stages."""
     matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.ndim >= 2 and "embed" not in name)
-    windows = [min((stage if long else stage // 2) * args.window_unit, args.seq_len) / 2
+    windows = [min((stage if long else stage // 2) * args.window_unit, max(args.seq_len)) / 2
                for block, long in zip(model.blocks, model.long_window) if block.attn is not None
                for stage in args.window_stages]
     keys = sum(windows) / len(args.window_stages)  # over the attention layers
@@ -301,9 +303,26 @@ class TrainingClock:
     speedrun logs; without warm-up steps the first step compiles on the clock. Validation is timed apart."""
     training_ms: float = 0.0
     timed_steps: int = 0
+    timed_tokens: int = 0
     first_step_ms: float = 0.0  # step 1, which compiles (with compile on and no warm-up steps); 0 once resumed
+    first_step_tokens: int = 0
     validation_ms: float = 0.0  # all validations so far (off the training clock)
     validations: int = 0  # how many that time covers
+    stage: str = ""  # the stage (seq_len x window, as the log names it) of the steps being timed
+    stages: dict = dataclasses.field(default_factory=dict)  # each stage's [steps, tokens, ms]
+
+    def add_time(self, ms: float):
+        """Training time since the clock last resumed, in the current stage."""
+        self.training_ms += ms
+        if self.stage:
+            self.stages.setdefault(self.stage, [0, 0, 0.0])[2] += ms
+
+    def count_step(self, tokens: int):
+        self.timed_steps += 1
+        self.timed_tokens += tokens
+        counts = self.stages.setdefault(self.stage, [0, 0, 0.0])
+        counts[0] += 1
+        counts[1] += tokens
 
     def timed_validation(self, validate) -> float:
         """validate()'s loss, its time added to the validation total."""
@@ -313,19 +332,22 @@ class TrainingClock:
         self.validations += 1
         return loss
 
-    def throughput_lines(self, tokens_per_step: int, flops_per_token: float, peak: tuple[float, str],
-                         world_size: int) -> list[str]:
-        """Tokens/s and MFU over the timed steps, and over the steps after step 1 (which may compile)."""
-        def rate(steps: int, ms: float) -> str:
-            tokens_per_second = steps * tokens_per_step / max(ms / 1000, 1e-9)
+    def throughput_lines(self, flops_per_token: float, peak: tuple[float, str], world_size: int) -> list[str]:
+        """Tokens/s and MFU over the timed steps, over the steps after step 1 (which may compile), and in each stage
+        (step 1 included)."""
+        def rate(tokens: int, ms: float) -> str:
+            tokens_per_second = tokens / max(ms / 1000, 1e-9)
             achieved = flops_per_token * tokens_per_second
             return (f"{tokens_per_second:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, "
                     f"MFU {100 * achieved / (peak[0] * world_size):.1f}%")
 
-        lines = [f"throughput: {rate(self.timed_steps, self.training_ms)} of {world_size} x {peak[1]}"]
+        lines = [f"throughput: {rate(self.timed_tokens, self.training_ms)} of {world_size} x {peak[1]}"]
         if self.timed_steps > 1 and self.first_step_ms:
             lines.append(f"throughput after step 1, which took {self.first_step_ms / 1000:.1f} s: "
-                         f"{rate(self.timed_steps - 1, self.training_ms - self.first_step_ms)}")
+                         f"{rate(self.timed_tokens - self.first_step_tokens, self.training_ms - self.first_step_ms)}")
+        if len(self.stages) > 1:
+            for stage, (steps, tokens, ms) in self.stages.items():
+                lines.append(f"stage {stage}: {steps} steps, step_avg:{ms / max(steps, 1):.2f}ms, {rate(tokens, ms)}")
         return lines
 
 
@@ -333,8 +355,8 @@ def describe_run(trainer) -> list[str]:
     """The model, Muon's rounds, the distribution, batch, windows and gradient sum of a train_gpt Trainer."""
     args, model, buckets, world_size = trainer.args, trainer.model, trainer.buckets, trainer.world_size
     lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
-             f"attention-free layer {next((i for i, block in enumerate(model.blocks) if block.attn is None), None)}; MLP-free layers "
-             f"{[i for i, block in enumerate(model.blocks) if block.mlp is None]}; "
+             f"attention-free layer {next((i for i, block in enumerate(model.blocks) if block.attn is None), None)}; key offset "
+             f"on layers {[i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset]}; "
              f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
              f"{'on' if args.attn_gates else 'off'}; long-window layers "
              f"{[i for i, long in enumerate(model.long_window) if long]}"]
@@ -345,7 +367,8 @@ def describe_run(trainer) -> list[str]:
                      f"gradient buckets of {[round(b / 1e6, 2) for b in buckets.bucket_bytes()]} MB")
     else:
         lines.append("distributed: world size 1, no gradient communication")
-    lines.append(f"batch: {args.batch_slots} sequences x {args.seq_len} tokens per step = {world_size} ranks x "
+    lines.append(f"batch: {args.batch_slots} sequences x {'/'.join(map(str, args.seq_len))} tokens per step "
+                 f"{'(stages in equal parts of training) ' if len(args.seq_len) > 1 else ''}= {world_size} ranks x "
                  f"{trainer.grad_accum_steps} micro-steps; " + (f"documents packed, each clipped to {args.packed_doc_len} tokens"
                                                                 if args.packed_doc_len else "consecutive tokens"))
     scales = ", ".join(f"{window}: {scale:.7f}" for window, scale in model.attention_scales.items())
@@ -392,8 +415,7 @@ def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, v
     args, buckets = trainer.args, trainer.buckets
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
-    for line in clock.throughput_lines(args.batch_slots * args.seq_len, flops_per_token(trainer.model, args), peak,
-                                       trainer.world_size):
+    for line in clock.throughput_lines(flops_per_token(trainer.model, args), peak, trainer.world_size):
         log(line)
     if buckets is not None:
         log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "

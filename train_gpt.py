@@ -210,9 +210,11 @@ ORTHOGONALIZERS = {"newton_schulz": [NEWTON_SCHULZ_COEFFS] * ORTHOGONALIZATION_S
                    "polar_express": POLAR_EXPRESS_COEFFS}  # Hyperparameters.orthogonalizer: its coefficients
 
 
-def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype = torch.bfloat16,
+                  add_apart: bool = False) -> Tensor:
     """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor), computed
-    in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding amplifies tiny differences)."""
+    in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding amplifies tiny differences).
+    add_apart: a X + B X as B X, then a X added (two roundings), as the records from 2025-12-11 do for MLPs."""
     X = G.to(dtype)
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
@@ -230,7 +232,7 @@ def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype =
     for a, b, c in coeffs:
         A = X @ X.mT
         B = torch.baddbmm(A, A, A.mT, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+        X = torch.bmm(B, X).add_(X, alpha=a) if add_apart else torch.baddbmm(X, B, X, beta=a)
     X = X.view(shape)
     return X.mT if transposed else X
 
@@ -257,27 +259,49 @@ def deal_by_cost(costs: list[int], world_size: int) -> list[list[int]]:
 NORMUON_EPS = 1e-10  # the floor of NorMuon's second moments and norms (the record's clamp_min): finite at zero
 
 
+def cautious_update(p: Tensor, update: Tensor, wd_factor: Tensor, lr_factor: Tensor):
+    """p -= lr' (update + lr wd mask p), mask where the update moves p toward zero (or leaves it), in the records'
+    (2025-12-11) one expression; lr_factor and wd_factor are CPU scalars, cast to p's dtype."""
+    mask = (update * p) >= 0
+    wd_factor, lr_factor = wd_factor.to(p.dtype), lr_factor.to(p.dtype)
+    p.copy_(p - (p * mask * wd_factor * lr_factor) - (update * lr_factor))
+
+
+def normalize_neurons(update: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """NorMuon (Li et al., 2025) as the records from 2025-12-11 compute it, in place: divide each matrix of the stack by
+    the root of second_moment, an EMA of each row's mean square, then scale it back to its Frobenius norm; the
+    statistics in float32, both norms from the mean squares."""
+    mean_square = update.float().square().mean(dim=-1, keepdim=True)
+    norm_before = (mean_square.sum(dim=(-2, -1), keepdim=True) * update.size(-1)).sqrt_()
+    second_moment.lerp_(mean_square.to(second_moment.dtype), 1 - beta2)
+    step_size = second_moment.clamp_min(NORMUON_EPS).rsqrt_()
+    norm_after = ((mean_square * update.size(-1)) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    return update.mul_((step_size * (norm_before / norm_after.clamp_min_(NORMUON_EPS))).type_as(update))
+
+
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden matrices (..., rows, cols). Each rank owns the matrices
     dealt to it by FLOPs, orthogonalizes each alone and all-gathers the updates: the same bits at any world size.
-    lr_mul: {parameter: factor on its lr}; the others 1."""
+    lr_mul: {parameter: factor on its lr}, the others 1; add_apart: the parameters whose orthogonalization adds apart."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
-                 weight_decay: float = 0.0, lr_mul: dict | None = None, compiled: bool = False):
+                 weight_decay: float = 0.0, lr_mul: dict | None = None, add_apart=(), compiled: bool = False):
         # Larger matrices first: rounds then pair matrices of similar size, wasting little padding.
         params = sorted(params, key=lambda p: -p.numel())
         super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                                      weight_decay=weight_decay))
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
         self.neuron_beta2 = neuron_beta2
-        # The record's per-matrix factors, tensors in the matrix's dtype made once: sqrt(max(1, rows/cols)) x lr_mul on
-        # the lr, and 1 on lr x wd, so that both products round in that dtype (a bf16 gate's in bf16), as the record's.
-        self.lr_mul = lr_mul or {}
-        self.lr_factor = {p: max(1.0, p.size(-2) / p.size(-1)) ** 0.5 * p.new_tensor([self.lr_mul.get(p, 1.0)])
-                          .view([1] * p.ndim) for p in params}
-        self.wd_factor = {p: p.new_ones([1] * p.ndim) for p in params}
+        # The records' per-matrix lr factor, a float32 CPU scalar made once: sqrt(max(1, rows/cols)) of the matrix as
+        # they lay it out, (numel/cols, cols), times lr_mul. Each step multiplies it (and wd) by the lr in float32.
+        self.lr_mul, self.add_apart = lr_mul or {}, set(add_apart)
+        self.lr_factor = {p: torch.tensor(max(1.0, p.numel() / p.size(-1) ** 2) ** 0.5 * self.lr_mul.get(p, 1.0))
+                          for p in params}
+        self.wd_factor = torch.ones(())
         self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
+        self.normalize = compiled_on_first_use(normalize_neurons) if compiled else normalize_neurons
+        self.update = compiled_on_first_use(cautious_update) if compiled else cautious_update
         costs = [orthogonalization_flops(p.shape) for p in params]
         dealt = deal_by_cost(costs, world_size)
         self.dealt = [[params[i] for i in indices] for indices in dealt]  # the matrices each rank owns
@@ -301,7 +325,8 @@ class Muon(torch.optim.Optimizer):
             out = torch.zeros(size, dtype=self.dtype, device=group["params"][0].device)
             if local is not None:
                 buf = self.state[local]["momentum_buffer"]
-                update = self.orthogonalize(local.grad.lerp(buf, momentum) if nesterov else buf, self.method, self.dtype)
+                update = self.orthogonalize(local.grad.lerp(buf, momentum) if nesterov else buf, self.method, self.dtype,
+                                            local in self.add_apart)
                 out[:local.numel()] = (self._normalize_neurons(local, update) if self.neuron_beta2 else update).flatten()
             if self.world_size > 1:
                 gathered = out.new_empty(size * self.world_size)
@@ -317,30 +342,19 @@ class Muon(torch.optim.Optimizer):
     def _apply(self, round_params: list, gathered: Tensor, handle, size: int, group: dict):
         if handle is not None:
             handle.wait()
-        lr, weight_decay = group["lr"], group["weight_decay"]
+        # Cautious weight decay: lr wd p joins the update only where the update moves p toward zero (or leaves it), so
+        # the step decays p by lr' lr wd, in proportion to lr^2.
+        wd_factor = self.wd_factor * group["weight_decay"] * group["lr"]
         for k, p in enumerate(round_params):
             if p is not None:
                 update = gathered[k * size:k * size + p.numel()].view_as(p)
-                if weight_decay:
-                    # Cautious: lr wd p joins the update only where the update moves p toward zero (or leaves it),
-                    # so the step decays p by lr' lr wd, in proportion to lr^2.
-                    update.addcmul_(p, lr * weight_decay * self.wd_factor[p] * (update * p >= 0))
-                p.addcmul_(update, -(lr * self.lr_factor[p]))
+                self.update(p, update, wd_factor, self.lr_factor[p] * group["lr"])
 
     def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
-        """NorMuon (Li et al., 2025) as the records from 2025-10-27 compute it, in place in the update's dtype: divide
-        each matrix of the stack by the root of an EMA (in p's dtype) of its mean square per neuron, then scale it back
-        to its Frobenius norm. Neurons are columns when p, stored as the record's (m, k n) matrix, is wide; else rows."""
-        rows, cols = p.size(-2), p.numel() // p.size(-2)
-        norm_before = update.norm(dim=(-2, -1), keepdim=True)
-        mean_square = update.square().mean(dim=-1 if rows >= cols else -2, keepdim=True)
         state = self.state[p]
-        if "neuron_second_moment" not in state:
-            state["neuron_second_moment"] = torch.zeros_like(mean_square, dtype=p.dtype)
-        second_moment = state["neuron_second_moment"].lerp_(mean_square.to(p.dtype), 1 - self.neuron_beta2)
-        update.mul_(second_moment.clamp_min(NORMUON_EPS).rsqrt_())
-        update.mul_(norm_before / update.norm(dim=(-2, -1), keepdim=True).clamp_min_(NORMUON_EPS))
-        return update
+        if "neuron_second_moment" not in state:  # one per row of each matrix of the stack
+            state["neuron_second_moment"] = torch.zeros(*p.shape[:-1], 1, dtype=p.dtype, device=p.device)
+        return self.normalize(update, state["neuron_second_moment"], self.neuron_beta2)
 
     def state_dict(self) -> dict:
         """Every matrix's state, gathered from its owner: a collective, which every rank calls. Off the
@@ -403,6 +417,14 @@ class Adam(torch.optim.Optimizer):
                     self.step_sizes[p] = torch.zeros((), dtype=torch.float32)
                 self.step_sizes[p].fill_(group["lr"] * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
                 self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_sizes[p], beta1, beta2, eps)
+
+    def load_state_dict(self, state_dict: dict):
+        """The base class casts the moments to each parameter's dtype; they go back to state_dtype, as they were."""
+        super().load_state_dict(state_dict)
+        if self.state_dtype is not None:
+            for state in self.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = state[key].to(self.state_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,6 +552,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
         # Outside a compiled graph, flex_attention runs a reference path that materializes every
         # score (tens of GB at the record's 48K tokens); its compiled kernel alone does not.
         kernel = flex_attention if torch.compiler.is_compiling() else compiled_on_first_use(flex_attention)
+        if v.is_cpu:  # torch 2.13's compiled CPU kernel misreads a v that is a view of the qkv projection
+            v = v.clone()
         return kernel(q, k, v, block_mask=mask, scale=scale)
     # SDPA computes every score a dense mask covers, and no query sees a later key: query blocks that
     # skip the keys after them do less work, with the same result up to float rounding.
@@ -560,10 +584,22 @@ SKIP_GATE_INIT = -1.5  # the records' sigmoid skip gates start at sigmoid(-1.5),
 BACKOUT_LAMBDA_INIT = 0.5  # the records' backout starts by taking out half of the residual after its layer
 
 
+def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
+    """Keys k (B, T, H, D) whose rotary-stationary dims (the second quarter of each half) hold the previous position's,
+    across documents (the 2025-12-14 record's partial key offset), out of place. The first position keeps its own, or
+    takes before (B, 1, H, D), generation's previous raw key; so does each position where restarts (T,) is true."""
+    previous = torch.cat([k[:, :1] if before is None else before, k[:, :-1]], dim=1)
+    if restarts is not None:
+        previous = torch.where(restarts[None, :, None, None], k, previous)
+    q = k.size(-1) // 4
+    return torch.cat([k[..., :q], previous[..., q:2 * q], k[..., 2 * q:3 * q], previous[..., 3 * q:]], dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False,
+                 key_offset: bool = False):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_heads, self.head_dim, self.key_offset = num_heads, head_dim, key_offset
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
         bound = init_bound(model_dim)
@@ -579,67 +615,81 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
-                cache=None, positions: int | Tensor = 0) -> Tensor:
-        """cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values; positions: x's
-        for the rotary (Rotary.forward)."""
+                cache=None, positions: int | Tensor = 0, restarts: Tensor | None = None) -> Tensor:
+        """lambdas: (on q, k and v's weights, on the output projection's); cache: generation's hook (tools/sample.py),
+        holding this layer's earlier keys and values; positions: x's for the rotary (Rotary.forward); restarts:
+        evaluation's (GPT.trunk)."""
         B, T = x.size(0), x.size(1)
-        qkv = F.linear(x, self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
+        qkv = F.linear(x, lambdas[0] * self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
         q, k = rotary(norm(q), positions), rotary(norm(k), positions)
-        if ve is None:
-            v = lambdas[0] * v
-        elif self.ve_gate is None:
-            v = lambdas[0] * v + lambdas[1] * ve.view_as(v)
-        else:
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
-            v = lambdas[0] * v + lambdas[1] * gate[..., None] * ve.view_as(v)
+        if self.key_offset:
+            before = cache.last_key if cache is not None and cache.length else None
+            if cache is not None:
+                cache.last_key = k[:, -1:]
+            k = offset_keys(k, before, restarts)
+        if ve is not None and self.ve_gate is None:
+            v = v + ve.view_as(v)
+        elif ve is not None:
+            v = v + 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))[..., None] * ve.view_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
         y = attend(q, k, v, mask, scale).transpose(1, 2)
         if self.attn_gate is not None:
             y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, self.num_heads, 1)
-        return F.linear(y.reshape(B, T, -1), self.qkvo_w[3].type_as(y))
+        return F.linear(y.reshape(B, T, -1), lambdas[1] * self.qkvo_w[3].type_as(y))
 
 
 class MLP(nn.Module):
-    """Both matrices stored (model_dim, 4 model_dim), the up-projection applied transposed: Muon's
-    scale max(1, rows/cols)^0.5 is then 1 for both (as in the record)."""
+    """Both matrices stored (4 model_dim, model_dim), one row per hidden unit, the down-projection applied transposed
+    (the records from 2025-12-11: their draws, and NorMuon's rows)."""
 
     def __init__(self, model_dim: int):
         super().__init__()
         bound = init_bound(model_dim)
-        self.c_fc = nn.Parameter(torch.empty(model_dim, 4 * model_dim).uniform_(-bound, bound))
-        self.c_proj = nn.Parameter(torch.zeros(model_dim, 4 * model_dim))
+        self.c_fc = nn.Parameter(torch.empty(4 * model_dim, model_dim).uniform_(-bound, bound))
+        self.c_proj = nn.Parameter(torch.zeros(4 * model_dim, model_dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x = F.relu(F.linear(x, self.c_fc.T.type_as(x))).square()
-        return F.linear(x, self.c_proj.type_as(x))
+        x = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
+        return F.linear(x, self.c_proj.T.type_as(x))
 
 
 class Block(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, has_mlp: bool,
-                 attn_gate: bool = False, ve_gate: bool = False):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, attn_gate: bool = False,
+                 ve_gate: bool = False, key_offset: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate) if has_attention else None
-        self.mlp = MLP(model_dim) if has_mlp else None
+        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset)
+                     if has_attention else None)
+        self.mlp = MLP(model_dim)
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, lambdas: Tensor, attn_lambdas: Tensor, mask,
-                rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0) -> Tensor:
-        x = lambdas[0] * x + lambdas[1] * x0
+    def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, lambdas: Tensor, attn_lambdas: Tensor, mask,
+                rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0,
+                restarts: Tensor | None = None) -> Tensor:
+        """x0: the embeddings, None in the first layer, where x is x0 and the two lambdas are summed (the record)."""
+        x = (lambdas[0] + lambdas[1]) * x if x0 is None else lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions)
-        if self.mlp is not None:
-            x = x + self.mlp(norm(x))
+            x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
+        x = x + self.mlp(norm(x))
         return x
 
 
 VALUE_EMBED_LAYOUTS = ("u", "alternate")  # the values of Hyperparameters.value_embed_layout
 
 
+def u_layers(num_layers: int) -> tuple[int, int]:
+    """The U-net an architecture of num_layers is cut from: (its even depth, how many of its first layers are gone).
+    An odd depth is the U one layer deeper without its layer 0 (the records from 2025-12-14: their 11 layers)."""
+    return num_layers + num_layers % 2, num_layers % 2
+
+
 def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | None]:
-    """Each layer's value-embedding table: u (the record) puts tables 0, 1, 2 on the first and last three layers (fewer
-    when shallow); alternate puts half as many on every other layer, each used twice in turn."""
+    """Each layer's value-embedding table: u (the record) puts tables 0, 1, 2 on the first and last three layers of the
+    U (fewer when shallow); alternate puts half as many on every other layer, each used twice in turn."""
+    depth, cut = u_layers(num_layers)
+    if cut:
+        return value_embedding_layout(depth, layout)[cut:]
     if layout == "alternate":
         layers = range(0, num_layers, 2)
         tables = -(-len(layers) // 2)
@@ -652,22 +702,30 @@ def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | Non
 
 
 def attention_free_layer(num_layers: int, layout: str = "u") -> int:
-    """The layer without attention: the second decoder layer (7 of 12, as in the record), or the
+    """The layer without attention: the U's second decoder layer (7 of 12, 6 of 11, as in the records), or the
     nearest earlier one without a value embedding, whose only use is attention."""
-    table_of_layer = value_embedding_layout(num_layers, layout)
-    return max(i for i in range(min(num_layers // 2 + 2, num_layers)) if table_of_layer[i] is None)
+    depth, cut = u_layers(num_layers)
+    table_of_layer = value_embedding_layout(depth, layout)
+    return max(i for i in range(cut, min(depth // 2 + 2, depth)) if table_of_layer[i] is None) - cut
 
 
-def skip_receivers(num_layers: int, first_layer: int) -> range:
-    """The decoder layers i that can take a U-net skip: those whose partner, layer num_layers-1-i, runs (with block 0
-    empty and skipped, the last layer has none)."""
-    return range(num_layers // 2, num_layers - first_layer)
+def skip_partner(num_layers: int, layer: int) -> int:
+    """The encoder layer whose output a decoder layer's U-net skip adds: its mirror in the U."""
+    depth, cut = u_layers(num_layers)
+    return depth - 1 - (layer + cut) - cut
+
+
+def skip_receivers(num_layers: int) -> range:
+    """The decoder layers that can take a U-net skip: those whose partner is a layer of the model."""
+    depth, cut = u_layers(num_layers)
+    return range(depth // 2 - cut, depth - 2 * cut)
 
 
 def long_window_layers(num_layers: int) -> list[bool]:
-    """Every fourth encoder layer from the first uses the long window, mirrored in the decoder
-    (12 layers: long at 0, 4, 7, 11; the rest short)."""
-    return [min(i, num_layers - 1 - i) % 4 == 0 for i in range(num_layers)]
+    """Every fourth encoder layer of the U from its first uses the long window, mirrored in the decoder (12 layers: long
+    at 0, 4, 7, 11; 11 layers: 3 and 10, with 6 attention-free; the rest short)."""
+    depth, cut = u_layers(num_layers)
+    return [min(i, depth - 1 - i) % 4 == 0 for i in range(cut, depth)]
 
 
 # Validation's loss this many positions at a time: its float32 logits take 1.6 GB whatever val_seq_len
@@ -734,22 +792,23 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
 
 
 class GPT(nn.Module):
-    """The U-net GPT, modules registered in forward order: reversed(parameters()) is the order in which gradients become
-    ready (the bucketing relies on it). windows: every long window of a run in order, each with its softmax scale;
-    skip_layers: the decoder layers that take a skip (None: every one)."""
+    """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
+    reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it). windows: every
+    long window of a run in order, each with its softmax scale; skip_layers: the decoder layers that take a skip (None:
+    every one)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
-                 value_embed_gates: bool = False, attn_gates: bool = False, first_layer_mlp: bool = False,
-                 first_layer_attention: bool = True, smear: bool = False, skip_gates: bool = False,
+                 value_embed_gates: bool = False, attn_gates: bool = False, key_offset: bool = False,
+                 smear: bool = False, skip_gates: bool = False,
                  skip_layers: tuple | None = None, residual_lambda_init: float = 1.0, backout_layer: int = -1,
                  rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
                  softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
-        if num_layers < 2 or num_layers % 2:
-            raise ValueError(f"num_layers must be an even number >= 2, got {num_layers}")
+        if num_layers < 2:
+            raise ValueError(f"num_layers must be >= 2, got {num_layers}")
         if not -1 <= backout_layer < num_layers:
             raise ValueError(f"backout_layer must be a layer below num_layers={num_layers}, or -1 for none; got {backout_layer}")
         self.vocab_size, self.num_layers, self.max_seq_len = vocab_size, num_layers, max_seq_len
@@ -763,28 +822,28 @@ class GPT(nn.Module):
         self.smear_gate = CastedLinear(min(GATE_INPUTS, model_dim), 1) if smear else None
         self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
                                           for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
-        # One parameter for all scalars (one Adam tensor): U-net skip weights, per layer the (stream, x0) and the (v,
-        # value embedding) lambdas, then the smear's lambda and the backout's where those are on.
+        with torch.no_grad():  # zero after their draws, which keeps every later draw in its place (records from 2025-12-14)
+            for table in self.value_embeds:
+                table.weight.zero_()
+        # One parameter for all scalars (one Adam tensor): U-net skip weights, per layer the (stream, x0) lambdas and
+        # those on attention's (q k v, output) weights, then the smear's lambda and the backout's where those are on.
         self.skip_gates, self.backout_layer = skip_gates, backout_layer
-        self.smear_index = num_layers // 2 + 4 * num_layers
+        self.num_skip_weights = len(skip_receivers(num_layers))
+        self.smear_index = self.num_skip_weights + 4 * num_layers
         self.backout_index = self.smear_index + int(smear)
         self.scalars = nn.Parameter(torch.cat([
-            torch.full((num_layers // 2,), SKIP_GATE_INIT if skip_gates else 1.0),
+            torch.full((self.num_skip_weights,), SKIP_GATE_INIT if skip_gates else 1.0),
             torch.tensor([residual_lambda_init, 0.0]).repeat(num_layers),
-            torch.tensor([0.5, 0.5]).repeat(num_layers),
+            torch.tensor([0.5, 1.0]).repeat(num_layers),
             torch.zeros(int(smear)),
             torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
         ]))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention and (i > 0 or first_layer_attention),
-                                          i > 0 or first_layer_mlp, attn_gates,
-                                          value_embed_gates and self.ve_layout[i] is not None)
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, attn_gates,
+                                          value_embed_gates and self.ve_layout[i] is not None,
+                                          key_offset and self.long_window[i])
                                     for i in range(num_layers))
-        # An empty first block is skipped whole (its mixing too, as in the record), and so is its skip into the last layer.
-        self.first_layer = int(self.blocks[0].attn is None and self.blocks[0].mlp is None)
-        if 0 <= backout_layer < self.first_layer:
-            raise ValueError(f"backout_layer={backout_layer} is the empty first block, which is skipped")
-        # U-net skips: decoder layer i adds layer L-1-i's output, weighted by skip weight i - L/2.
-        decoder = skip_receivers(num_layers, self.first_layer)
+        # U-net skips: decoder layer i adds skip_partner(i)'s output, weighted by skip weight i - (first decoder layer).
+        decoder = skip_receivers(num_layers)
         self.skip_layers = tuple(decoder) if skip_layers is None else tuple(skip_layers)
         if any(i not in decoder for i in self.skip_layers):
             raise ValueError(f"skip_layers must be among the decoder layers {decoder.start}..{decoder.stop - 1} (the "
@@ -822,10 +881,10 @@ class GPT(nn.Module):
         (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block.
         restarts (T,) bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0,
         the smear passing nothing into it (with an EOT there, attention already stops)."""
-        L = self.num_layers
-        skip_weights = self.scalars[:L // 2]
-        lambdas = self.scalars[L // 2:L // 2 + 2 * L].view(L, 2)
-        attn_lambdas = self.scalars[L // 2 + 2 * L:self.smear_index].view(L, 2)
+        L, S = self.num_layers, self.num_skip_weights
+        skip_weights = self.scalars[:S]
+        lambdas = self.scalars[S:S + 2 * L].view(L, 2)
+        attn_lambdas = self.scalars[S + 2 * L:self.smear_index].view(L, 2)
         long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
                                                          long_window=long_window)
         scale = self.attention_scales[window]
@@ -841,15 +900,18 @@ class GPT(nn.Module):
             x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
         x = x0 = norm(x[None])
         skips, backout = {}, None
-        for i in range(self.first_layer, L):
+        partners = {skip_partner(L, i): i for i in self.skip_layers}
+        first_decoder = skip_receivers(L).start
+        for i in range(L):
             if i in self.skip_layers:
-                weight = skip_weights[i - L // 2]
-                x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop(L - 1 - i)
+                weight = skip_weights[i - first_decoder]
+                x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
-            x = self.blocks[i](x, x0, layer_ve, lambdas[i], attn_lambdas[i], long_mask if self.long_window[i] else short_mask,
-                               self.rotary, scale, None if cache is None else cache.layers[i], positions)
-            if L - 1 - i in self.skip_layers:
-                skips[i] = x
+            x = self.blocks[i](x, x0 if i else None, layer_ve, lambdas[i], attn_lambdas[i],
+                               long_mask if self.long_window[i] else short_mask, self.rotary, scale,
+                               None if cache is None else cache.layers[i], positions, restarts)
+            if i in partners:
+                skips[partners[i]] = x
             if i == self.backout_layer:
                 backout = x
         if backout is not None:
@@ -1032,20 +1094,20 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 
 
 class TokenStream:
-    """Each step's batch: num_slots sequences of seq_len + 1 tokens, rank r of W taking slots r, r + W, ...: consecutive
-    tokens, or packed documents (the record). A shard is read when first needed, on the clock, as the record does."""
+    """Each step's batch: num_slots sequences of seq_len + 1 tokens (each step's own, at most max_seq_len), rank r of W
+    taking slots r, r + W, ...: consecutive tokens, or packed documents (the record). A shard is read when first
+    needed, on the clock, as the record does."""
 
-    def __init__(self, pattern: str, seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
+    def __init__(self, pattern: str, max_seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False, packed_doc_len: int = 0):
         self.pattern, self.paths = pattern, shard_paths(pattern, "train")
-        self.seq_len, self.num_slots, self.device, self.vocab_size = seq_len, num_slots, device, vocab_size
+        self.max_seq_len, self.num_slots, self.device, self.vocab_size = max_seq_len, num_slots, device, vocab_size
         self.pin_memory, self.packed_doc_len = pin_memory, packed_doc_len
-        self.span = num_slots * seq_len  # tokens a batch reads, unpacked
         for path in self.paths:  # every header and length now: a bad shard would stop the run when reached
             length = shard_token_count(path)
-            if not packed_doc_len and length < self.span + 2:
-                raise DataError(f"{path}: {length} tokens, fewer than the {self.span + 2} that one batch of "
-                                f"{num_slots} x {seq_len} reads")
+            if not packed_doc_len and length < num_slots * max_seq_len + 2:
+                raise DataError(f"{path}: {length} tokens, fewer than the {num_slots * max_seq_len + 2} that one batch "
+                                f"of {num_slots} x {max_seq_len} reads")
         self.shard_index, self.pos, self.epoch = 0, 0, 0
         self.checked = set()  # the shards whose token ids were checked
         self._read(0)
@@ -1057,9 +1119,9 @@ class TokenStream:
         self.shard_length = len(self.tokens)
         if self.packed_doc_len:  # the constructor checked an unpacked shard's length
             self.doc_starts = np.flatnonzero(self.tokens.numpy() == EOT_TOKEN)
-            if self._packed_segments(0) is None:
+            if self._packed_segments(0, self.max_seq_len) is None:
                 raise DataError(f"{self.paths[index]}: its documents, clipped to packed_doc_len={self.packed_doc_len} "
-                                f"tokens, cannot fill one batch of {self.num_slots} x {self.seq_len + 1} tokens "
+                                f"tokens, cannot fill one batch of {self.num_slots} x {self.max_seq_len + 1} tokens "
                                 f"(pass --packed_doc_len=0 for consecutive tokens)")
 
     @property
@@ -1091,13 +1153,13 @@ class TokenStream:
         self.pos = 0
         self._read(self.shard_index)
 
-    def _packed_segments(self, pos: int) -> tuple[list[list[tuple[int, int]]], int] | None:
+    def _packed_segments(self, pos: int, seq_len: int) -> tuple[list[list[tuple[int, int]]], int] | None:
         """Each slot's (start, end) document segments from the first document at or after pos, and
         where the next batch starts; None when the shard's documents run out first."""
         starts, i = self.doc_starts, int(np.searchsorted(self.doc_starts, pos))
         slots = []
         for _ in range(self.num_slots):
-            segments, missing = [], self.seq_len + 1
+            segments, missing = [], seq_len + 1
             while missing:
                 if i == len(starts):
                     return None
@@ -1110,24 +1172,27 @@ class TokenStream:
             slots.append(segments)
         return slots, int(starts[i]) if i < len(starts) else self.shard_length
 
-    def next_batch(self, rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
+    def next_batch(self, rank: int, world_size: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} is above the stream's max_seq_len={self.max_seq_len}")
         if self.packed_doc_len:
             if self.tokens is None:
                 self._read(self.shard_index)
-            packed = self._packed_segments(self.pos)
+            packed = self._packed_segments(self.pos, seq_len)
             if packed is None:
                 self._next_shard()
-                packed = self._packed_segments(0)
+                packed = self._packed_segments(0, seq_len)
             slots, self.pos = packed
             mine = [torch.cat([self.tokens[start:end] for start, end in segments]) for segments in slots[rank::world_size]]
         else:
-            if self.pos + self.span + 1 >= self.shard_length:
+            span = self.num_slots * seq_len
+            if self.pos + span + 1 >= self.shard_length:
                 self._next_shard()
             elif self.tokens is None:
                 self._read(self.shard_index)
-            mine = [self.tokens[start:start + self.seq_len + 1]
-                    for start in range(self.pos + rank * self.seq_len, self.pos + self.span, world_size * self.seq_len)]
-            self.pos += self.span
+            mine = [self.tokens[start:start + seq_len + 1]
+                    for start in range(self.pos + rank * seq_len, self.pos + span, world_size * seq_len)]
+            self.pos += span
         return [(buf[:-1].to(self.device, torch.int32, non_blocking=self.pin_memory),
                  buf[1:].to(self.device, torch.int64, non_blocking=self.pin_memory)) for buf in mine]
 
@@ -1149,7 +1214,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2025-11-18 RefineSkip); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2025-12-14 PartialKeyOffset); presets override some of them
 
 
 @dataclass
@@ -1158,14 +1223,15 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in sorted order
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # glob of validation shards
     val_tokens: int = 10_485_760  # validation tokens; fixed so runs stay comparable
-    seq_len: int = 32 * 1024  # training tokens per sequence (one sequence per rank per micro-step)
+    seq_len: tuple = (16 * 1024, 32 * 1024, 48 * 1024)  # training tokens per sequence, one per equal part of the scheduled steps, the last also for the extension (batch stages: records from 2025-11-29)
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 2225  # optimizer steps
+    num_iterations: int = 2110  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
-    cooldown_frac: float = 0.5  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
+    cooldown_frac: float = 0.55  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
+    lr_stage_peaks: tuple = (1.0, 1.51, 1.93)  # lr multiplier before the cooldown in each equal part of the scheduled steps, from the step after a part begins (records from 2025-11-29)
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of the scheduled steps; short-window layers get half (rounded down)
@@ -1175,20 +1241,19 @@ class Hyperparameters:
     yarn: bool = True  # rescale the rotary frequencies (YaRN) at each window change, as the record; false: keep them
     # model
     vocab_size: int = 50257  # GPT-2 tokens; the lm_head is padded to a multiple of 128
-    num_layers: int = 12  # even: the first half feeds the second through U-net skips
+    num_layers: int = 11  # a U-net's: the first half feeds the second through skips; odd: the U one deeper without its layer 0 (records from 2025-12-14)
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
     value_embed_layout: str = "u"  # value-embedding tables on layers: u (the record: first and last three) or alternate (every other layer; reported better in later records)
     value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
     attn_gates: bool = True  # a learned per-head gate on each attention output, trained by Muon (the record's sparse attention gate)
-    first_layer_mlp: bool = False  # an MLP in layer 0 (the record has none)
-    first_layer_attention: bool = False  # attention in layer 0; off (with first_layer_mlp off), block 0 is empty and skipped (records from 2025-09-21)
+    key_offset: bool = True  # the long-window layers' keys take the previous position's on the rotary's stationary dims (records from 2025-12-14)
     smear: bool = True  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
     skip_gates: bool = True  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
-    skip_layers: str = "7"  # decoder layers i (comma-separated) that add layer num_layers-1-i's output before running (records from 2025-11-18); all: every one (the U-net before); none
+    skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
-    backout_layer: int = 8  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
+    backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
     loss_in_run_dtype: bool = True  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
@@ -1203,8 +1268,8 @@ class Hyperparameters:
     adam_eps: float = 1e-8  # Adam epsilon
     adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
     adam_state_in_run_dtype: bool = True  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
-    muon_lr: float = 0.03  # Muon lr for hidden matrices
-    mlp_up_lr_mul: float = 2.0  # Muon lr multiplier of each MLP's up-projection (records from 2025-10-27; 1 before)
+    muon_lr: float = 0.023  # Muon lr for hidden matrices
+    mlp_down_lr_mul: float = 2.0  # Muon lr multiplier of each MLP's down-projection, on top of the shape's (records from 2025-12-11)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
@@ -1237,7 +1302,7 @@ PRESETS = {
         train_files="data/shakespeare/shakespeare_train_*.bin",
         val_files="data/shakespeare/shakespeare_val_*.bin",
         val_tokens=32 * 8192,  # most of the validation shard
-        seq_len=1024,
+        seq_len=(1024,),
         val_seq_len=1024,
         batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024
         packed_doc_len=0,  # documents are whole plays: clipped ones would skip most tokens
@@ -1249,7 +1314,6 @@ PRESETS = {
         final_window=32,
         window_unit=32,  # (records/track_cpu/README.md)
         yarn=False,  # the record's rescale at each of these four window changes gave higher losses here
-        first_layer_mlp=True,  # the record's MLP-free layer 0 is unmeasured alone at this size
         attention_scale=0.12,
         attention_scale_growth=0.0,  # constant: the record's growth gave higher losses here
         num_layers=4,
@@ -1261,7 +1325,7 @@ PRESETS = {
         embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
-        muon_cautious_wd=10.0,  # the records' form, tied to lr^2: 10 and 40 alike (records/track_cpu/README.md)
+        muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md)
         smear=True,  # the 2025-09-18 record's smear: lower on every paired seed (records/track_cpu/README.md)
         # The 2025-09-11 to 11-18 records' pieces measured here without a clear gain, as the 09-10 record had them.
         skip_gates=False,
@@ -1269,18 +1333,19 @@ PRESETS = {
         adam_every=1,
         skip_layers="all",
         residual_lambda_init=1.0,
-        mlp_up_lr_mul=1.0,
+        mlp_down_lr_mul=1.0,
         # Their other pieces, likewise: unmeasured at this size.
+        lr_stage_peaks=(1.0,),
+        key_offset=False,
         extension_steps=0,
         final_long_window=0,
-        first_layer_attention=True,
         rotary_in_run_dtype=False,
         head_and_gates_in_run_dtype=False,
         loss_in_run_dtype=False,
         adam_beta1=0.8,
         adam_eps=1e-10,
         adam_state_in_run_dtype=False,
-        muon_lr=0.05,
+        muon_lr=0.025,  # the 2025-12-11 layouts double every matrix's lr: the steps measured at 0.05 before
         muon_momentum_cooldown_steps=0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
@@ -1310,7 +1375,7 @@ def skip_layers(args: Hyperparameters) -> tuple[int, ...] | None:
     """args.skip_layers as GPT takes it (None: all); a ConfigError unless all, none, or decoder layers with a partner."""
     if args.skip_layers in ("all", "none"):
         return None if args.skip_layers == "all" else ()
-    decoder = skip_receivers(args.num_layers, int(not args.first_layer_attention and not args.first_layer_mlp))
+    decoder = skip_receivers(args.num_layers)
     layers = tuple(int(i) for i in args.skip_layers.split(",") if i.isdigit())
     if len(layers) != len(args.skip_layers.split(",")) or any(i not in decoder for i in layers):
         raise ConfigError(f"skip_layers={args.skip_layers}: all, none, or decoder layers with a partner, comma-separated "
@@ -1324,12 +1389,14 @@ def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, s
 
 
 def check_hyperparameters(args: Hyperparameters, world_size: int):
-    for name in ("seq_len", "val_seq_len"):
-        value = getattr(args, name)
-        if value <= 0 or value % BLOCK_SIZE:
-            raise ConfigError(f"{name}={value} must be a positive multiple of {BLOCK_SIZE} (the attention block size)")
-    if args.num_layers < 2 or args.num_layers % 2:
-        raise ConfigError(f"num_layers={args.num_layers} must be an even number >= 2 (U-net halves)")
+    for name, values in (("seq_len", args.seq_len), ("val_seq_len", (args.val_seq_len,))):
+        if not values or any(value <= 0 or value % BLOCK_SIZE for value in values):
+            raise ConfigError(f"{name}={','.join(map(str, values))} must be positive multiples of {BLOCK_SIZE} (the "
+                              f"attention block size)")
+    if not args.lr_stage_peaks or min(args.lr_stage_peaks) <= 0:
+        raise ConfigError(f"lr_stage_peaks={','.join(map(str, args.lr_stage_peaks))} must be one or more numbers > 0")
+    if args.num_layers < 2:
+        raise ConfigError(f"num_layers={args.num_layers} must be at least 2 (U-net halves)")
     if args.head_dim % 4:
         raise ConfigError(f"head_dim={args.head_dim} must be a multiple of 4 (rotary on half of the dims, in pairs)")
     if args.num_heads * args.head_dim != args.model_dim:
@@ -1350,8 +1417,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"muon_neuron_beta2={args.muon_neuron_beta2} must be within [0, 1) (0: NorMuon off)")
     if args.muon_cautious_wd < 0:
         raise ConfigError(f"muon_cautious_wd={args.muon_cautious_wd} must be >= 0 (0: off)")
-    if args.mlp_up_lr_mul <= 0:
-        raise ConfigError(f"mlp_up_lr_mul={args.mlp_up_lr_mul} must be > 0")
+    if args.mlp_down_lr_mul <= 0:
+        raise ConfigError(f"mlp_down_lr_mul={args.mlp_down_lr_mul} must be > 0")
     if args.loss_chunk < 0:
         raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
     if args.loss_in_run_dtype and args.loss_chunk:
@@ -1367,13 +1434,9 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     for name in ("extension_steps", "muon_momentum_cooldown_steps"):
         if not 0 <= getattr(args, name) < args.num_iterations:
             raise ConfigError(f"{name}={getattr(args, name)} must be within [0, num_iterations={args.num_iterations})")
-    empty_first_block = not args.first_layer_attention and not args.first_layer_mlp
-    if not -1 <= args.backout_layer < args.num_layers or (empty_first_block and args.backout_layer == 0):
-        raise ConfigError(f"backout_layer={args.backout_layer} must be a layer below num_layers={args.num_layers} other "
-                          f"than an empty block 0, or -1 for none")
-    if empty_first_block and args.num_layers < 4:
-        raise ConfigError(f"num_layers={args.num_layers}: with block 0 empty (first_layer_attention and first_layer_mlp "
-                          f"off) at least 4 layers, so that a skip connects them")
+    if not -1 <= args.backout_layer < args.num_layers:
+        raise ConfigError(f"backout_layer={args.backout_layer} must be a layer below num_layers={args.num_layers}, or -1 "
+                          f"for none")
     skip_layers(args)
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
@@ -1496,8 +1559,7 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                fp8_grad_scale=args.fp8_grad_scale, loss_chunk=plan.loss_chunk if plan else 0,
                embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
                value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
-               attn_gates=args.attn_gates, first_layer_mlp=args.first_layer_mlp,
-               first_layer_attention=args.first_layer_attention, smear=args.smear, skip_gates=args.skip_gates,
+               attn_gates=args.attn_gates, key_offset=args.key_offset, smear=args.smear, skip_gates=args.skip_gates,
                skip_layers=skip_layers(args), residual_lambda_init=args.residual_lambda_init,
                backout_layer=args.backout_layer,
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
@@ -1524,8 +1586,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
                 neuron_beta2=args.muon_neuron_beta2, weight_decay=args.muon_cautious_wd,
-                lr_mul={block.mlp.c_fc: args.mlp_up_lr_mul for block in model.blocks if block.mlp is not None},
-                compiled=compiled)
+                lr_mul={block.mlp.c_proj: args.mlp_down_lr_mul for block in model.blocks},
+                add_apart=[p for block in model.blocks for p in block.mlp.parameters()], compiled=compiled)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
         raise RuntimeError("every parameter must belong to exactly one optimizer group")
@@ -1535,23 +1597,41 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     return adam, muon
 
 
+def stage_at(step: int, stages: tuple, args: Hyperparameters):
+    """The stage of step among stages in equal parts of the scheduled steps (all but the extension); the last one
+    for the extension."""
+    scheduled = args.num_iterations - args.extension_steps
+    return stages[min(len(stages) * step // scheduled, len(stages) - 1)]
+
+
+def seq_len_at(step: int, args: Hyperparameters) -> int:
+    """Training tokens per sequence at step: the batch stage's (the batch is batch_slots such sequences)."""
+    return stage_at(step, args.seq_len, args)
+
+
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """1 until the cooldown, then linear toward 0.1 at the end of the scheduled steps; flat through the extension,
-    where the record holds progress at 0.9999."""
-    progress = min(0.9999, step / (args.num_iterations - args.extension_steps))
+    """The stage's peak (lr_stage_peaks, each from the step after its part begins: the record's test is strict), then
+    in the cooldown linear from it toward 0.1 at the end of the scheduled steps; 0.1 through the extension."""
+    scheduled = args.num_iterations - args.extension_steps
+    if step > scheduled:
+        return 0.1
+    progress, stages = step / scheduled, len(args.lr_stage_peaks)
+    peak = args.lr_stage_peaks[0]
+    for k in range(1, stages):
+        if progress > k / stages:
+            peak = args.lr_stage_peaks[k]
     if progress < 1 - args.cooldown_frac:
-        return 1.0
+        return peak
     w = (1 - progress) / args.cooldown_frac
-    return w + (1 - w) * 0.1
+    return peak * w + (1 - w) * 0.1
 
 
 def window_at(step: int, args: Hyperparameters) -> int:
     """The long window in window units: window_stages in equal parts of the scheduled steps, then final_window for the
     extension steps and the last validation."""
-    scheduled = args.num_iterations - args.extension_steps
-    if step >= scheduled:
+    if step >= args.num_iterations - args.extension_steps:
         return args.final_window
-    return args.window_stages[len(args.window_stages) * step // scheduled]
+    return stage_at(step, args.window_stages, args)
 
 
 def long_window_at(step: int, args: Hyperparameters) -> int | None:
@@ -1595,9 +1675,15 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return args.muon_momentum_end
 
 
-# Each window compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's per mask
-# and grad mode); past dynamo's recompile limit it would run eagerly, and eager FlexAttention materializes every score.
-GRAPHS_PER_WINDOW = 4
+def training_shapes(args: Hyperparameters) -> list[tuple[int, int]]:
+    """The (seq_len, window) pairs of the training steps, in order: each compiles its own graphs."""
+    return list(dict.fromkeys((seq_len_at(step, args), window_at(step, args)) for step in range(args.num_iterations)))
+
+
+# Each (seq_len, window) compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's
+# per mask and grad mode); past dynamo's recompile limit it would run eagerly, and eager FlexAttention materializes
+# every score.
+GRAPHS_PER_SHAPE = 4
 
 
 class Trainer:
@@ -1610,7 +1696,7 @@ class Trainer:
         if plan.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
-        self.model = build_model(args, max(args.seq_len, args.val_seq_len), plan).to(plan.device)
+        self.model = build_model(args, max(*args.seq_len, args.val_seq_len), plan).to(plan.device)
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -1628,8 +1714,9 @@ class Trainer:
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   GRAPHS_PER_WINDOW * len(self.model.attention_scales))
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit,
+            GRAPHS_PER_SHAPE * (len(training_shapes(args)) + len(self.model.attention_scales)))
         self.window = window_at(0, args)
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
@@ -1665,7 +1752,7 @@ class Trainer:
         else:
             for optimizer in stepping:
                 optimizer.zero_grad(set_to_none=True)
-        loss = total / (self.grad_accum_steps * self.args.seq_len)
+        loss = total / (self.grad_accum_steps * micro_batches[0][0].numel())
         self.nonfinite_step = torch.where((self.nonfinite_step < 0) & ~torch.isfinite(loss), step + 1, self.nonfinite_step)
         return loss
 
@@ -1693,17 +1780,17 @@ class Trainer:
         return float(total) / len(val_sequences)
 
     def warm_up(self, first_step: int):
-        """Compile (and warm caches) on random tokens, each window that training uses in turn (the rotary tables
-        unchanged), then restore the exact state from before."""
+        """Compile (and warm caches) on random tokens, each (seq_len, window) that training uses in turn (the rotary
+        tables unchanged), then restore the exact state from before."""
         # This rank's optimizer states only (the base class's state_dict): Muon's gathers what other ranks own.
         optimizer_states = [torch.optim.Optimizer.state_dict(o) for o in self.optimizers]
         saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=optimizer_states))
         args, window = self.args, self.window
-        windows = tuple(dict.fromkeys(window_at(step, args) for step in range(args.num_iterations)))  # in order
+        shapes = training_shapes(args)
         for i, step in enumerate(range(first_step, first_step + args.warmup_steps)):
-            self.window = windows[i % len(windows)]
-            random_batch = [(torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device, dtype=torch.int32),
-                             torch.randint(0, args.vocab_size, (args.seq_len,), device=self.device))
+            seq_len, self.window = shapes[i % len(shapes)]
+            random_batch = [(torch.randint(0, args.vocab_size, (seq_len,), device=self.device, dtype=torch.int32),
+                             torch.randint(0, args.vocab_size, (seq_len,), device=self.device))
                             for _ in range(self.grad_accum_steps)]
             self.train_step(min(step, args.num_iterations - 1), random_batch)
         self.model.load_state_dict(saved["model"])
@@ -1742,7 +1829,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
 
     def pause_clock():  # off the clock: wait for the device, then add the time since the last resume
         trainer.synchronize()
-        clock.training_ms += 1000 * (time.perf_counter() - t0)
+        clock.add_time(1000 * (time.perf_counter() - t0))
 
     save = functools.partial(support.save_checkpoint, trainer, stream, clock, run_id, log, checkpoints)
 
@@ -1761,16 +1848,23 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             t0 = time.perf_counter()
         if last:
             break
-        batch = stream.next_batch(rank, world_size)
+        seq_len = seq_len_at(step, args)
+        if clock.stage != f"{seq_len}x{trainer.window}":  # each stage's time its own: a sync at its start
+            pause_clock()
+            clock.stage = f"{seq_len}x{trainer.window}"
+            log(f"stage {clock.stage}: from step {step}, {args.batch_slots} x {seq_len} tokens a step, long window "
+                f"{trainer.window} x {args.window_unit} tokens")
+            t0 = time.perf_counter()
+        batch = stream.next_batch(rank, world_size, seq_len)
         if stream.unchecked:  # a new shard's token ids: our check, not the record's, so off the clock
             pause_clock()
             stream.check_shard()
             t0 = time.perf_counter()
         loss = trainer.train_step(step, batch)
-        clock.timed_steps += 1
+        clock.count_step(args.batch_slots * seq_len)
         elapsed_ms = clock.training_ms + 1000 * (time.perf_counter() - t0)
         if clock.timed_steps == 1:
-            clock.first_step_ms = elapsed_ms
+            clock.first_step_ms, clock.first_step_tokens = elapsed_ms, args.batch_slots * seq_len
         timing = f"train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / clock.timed_steps:.2f}ms"
         if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
             trainer.stop_if_nonfinite()
@@ -1810,8 +1904,8 @@ def main(argv: list[str] | None = None) -> dict:
     if world_size > 1:
         check_ranks_agree(plan, world_size)
     # Data problems surface before anything is written.
-    stream = TokenStream(args.train_files, args.seq_len, args.batch_slots, device, args.vocab_size, plan.pinned_memory,
-                         args.packed_doc_len)
+    stream = TokenStream(args.train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
+                         plan.pinned_memory, args.packed_doc_len)
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
     if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()
@@ -1837,7 +1931,8 @@ def main(argv: list[str] | None = None) -> dict:
         start_step, clock = 0, support.TrainingClock()
         if checkpoint is not None:
             start_step, saved_clock = restore_checkpoint(checkpoint, trainer)
-            clock = support.TrainingClock(**{**saved_clock, "first_step_ms": 0.0})  # this process compiles again, later
+            # This process compiles again, later; the log names the stage it resumes in.
+            clock = support.TrainingClock(**{**saved_clock, "first_step_ms": 0.0, "stage": ""})
             del checkpoint
             log(f"resumed from {resume_from} at step {start_step}" + (f"; continues the log {continues}" if continues else ""))
         if args.warmup_steps:

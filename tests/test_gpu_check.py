@@ -26,9 +26,9 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
                       "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
-    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2025-11-18 record (RefineSkip) "
-                                          "computes: val 3.2789 at step 2225 after 134.9 s of training on 8xH100, the "
-                                          "means of its 10 published logs, unmeasured by us.")
+    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2025-12-14 record (PartialKeyOffset) "
+                                          "computes: val 3.2780 at step 2110 after 128.9 s of training on 8xH100, the "
+                                          "means of its 11 published logs, unmeasured by us.")
     if flex == "PASS":
         assert "windows of 128, 129, 334, 384 tokens at scales 0.1000" in rows["flex forward"]
     else:
@@ -41,7 +41,7 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
 def test_training_check_runs_the_real_trainer_on_cpu():
     """The training check's code path, uncompiled and tiny: the loss falls on a repeated batch."""
     args = dataclasses.replace(train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"]), num_layers=2, model_dim=64,
-                               num_heads=1, head_dim=64, seq_len=128, batch_slots=2, num_iterations=20, compile=False)
+                               num_heads=1, head_dim=64, seq_len=(128,), batch_slots=2, num_iterations=20, compile=False)
     summary = gpu_check.check_training(torch.device("cpu"), args, steps=4, warmup=2)
     assert summary.startswith("2 layers x 64, 2 x 128 tokens: loss 10.83 -> ")
     assert "tokens/s" in summary and "TFLOP/s" in summary
@@ -93,20 +93,23 @@ def test_the_synthetic_shard_holds_documents_that_begin_with_end_of_text(tmp_pat
 
 
 def test_the_bench_report_projects_the_run_from_each_stage(monkeypatch):
-    """Hand-computed: 7 steps, the last an extension step, over stages (1, 2) and final window 3 give 3, 3 and 1
-    steps (window_at's equal parts of the 6 scheduled, then the final window's); at 100, 200 and 300 ms a step,
-    1.2 s; 8 slots on 2 processes are 4 micro-steps each, 1 on 8 GPUs: a quarter, 0.3 s."""
+    """Hand-computed: 7 steps, the last an extension step, over batch stages (256, 512) and window stages (1, 2), final
+    window 3, give 3, 3 and 1 steps (equal parts of the 6 scheduled, then the extension's: the last batch stage, the
+    final window); at 100, 200 and 300 ms a step, 1.2 s; 8 slots on 2 processes are 4 micro-steps each, 1 on 8 GPUs: a
+    quarter, 0.3 s."""
     monkeypatch.setattr(gpu_check.run_support, "matmul_peak", lambda device, dtype: (1e9, "a test peak"))
     args, preset = train_gpt.parse_args(["--preset=cpu", "--num_iterations=7", "--extension_steps=1", "--window_stages=1,2",
-                                         "--final_window=3", "--batch_slots=8", "--seq_len=256", "--window_unit=32"], "cpu")
-    assert {w: len(s) for w, s in gpu_check.stage_steps(args).items()} == {1: 3, 2: 3, 3: 1}
-    result = dict(stages=[(1, 100.0, 1e3), (2, 200.0, 2e3), (3, 300.0, 3e3)], peak_memory="peak memory (RSS): 1 MiB",
-                  dtype="float32", compile=False, micro_steps=4)
+                                         "--final_window=3", "--batch_slots=8", "--seq_len=256,512", "--window_unit=32"],
+                                        "cpu")
+    assert {w: len(s) for w, s in gpu_check.stage_steps(args).items()} == {(256, 1): 3, (512, 2): 3, (512, 3): 1}
+    result = dict(stages=[(256, 1, 100.0, 1e3), (512, 2, 200.0, 2e3), (512, 3, 300.0, 3e3)],
+                  peak_memory="peak memory (RSS): 1 MiB", dtype="float32", compile=False, micro_steps=4)
     lines = gpu_check.bench_report(args, preset, result, 2, torch.device("cpu")).splitlines()
     # by hand: the step's tokens over its time, then times the FLOPs per token over the processes' summed peak
-    assert lines[1] == "window 1 (32 tokens), 3 steps: 100.0 ms/step, 20,480 tokens/s, MFU 1.0%"
-    assert lines[2] == "window 2 (64 tokens), 3 steps: 200.0 ms/step, 10,240 tokens/s, MFU 1.0%"
-    assert lines[3] == "window 3 (96 tokens), 1 steps: 300.0 ms/step, 6,827 tokens/s, MFU 1.0%"
+    assert lines[0].startswith("bench: preset cpu, 4 layers x 128, 8 x 256/512 tokens a step; 2 process(es)")
+    assert lines[1] == "8 x 256 tokens, window 1 (32 tokens), 3 steps: 100.0 ms/step, 20,480 tokens/s, MFU 1.0%"
+    assert lines[2] == "8 x 512 tokens, window 2 (64 tokens), 3 steps: 200.0 ms/step, 20,480 tokens/s, MFU 2.0%"
+    assert lines[3] == "8 x 512 tokens, window 3 (96 tokens), 1 steps: 300.0 ms/step, 13,653 tokens/s, MFU 2.0%"
     assert lines[5].startswith("projected training time of 7 steps: 1.2 s here, 0.3 s on 8 such GPUs (assumed: ")
 
 
@@ -115,7 +118,8 @@ def test_the_bench_runs_real_steps_on_two_processes(capsys):
     report = gpu_check.bench_main([*BENCH_RUN, "--processes=2"]).splitlines()
     assert report[0].startswith("bench: preset cpu, 2 layers x 64, 2 x 256 tokens a step; 2 process(es) on cpu (CPU), "
                                 "1 micro-step(s) each; dtype float32, compile False; torch ")
-    assert [line.split(":")[0] for line in report[1:3]] == ["window 1 (32 tokens), 3 steps", "window 2 (64 tokens), 3 steps"]
+    assert [line.split(":")[0] for line in report[1:3]] == ["2 x 256 tokens, window 1 (32 tokens), 3 steps",
+                                                             "2 x 256 tokens, window 2 (64 tokens), 3 steps"]
     ms = [float(line.split(": ")[1].split(" ms/step")[0]) for line in report[1:3]]
     projected = float(report[4].split(": ")[1].split(" s here")[0])
     assert min(ms) > 0 and abs(projected - (3 * ms[0] + 3 * ms[1]) / 1000) <= 0.05 + 6 * 0.05 / 1000  # printed roundings

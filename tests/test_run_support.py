@@ -115,11 +115,12 @@ def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_pat
     saved = dataclasses.asdict(train_gpt.Hyperparameters())
     for name in sorted(train_gpt.RESUMABLE_CHANGES):  # each may change alone
         value = saved[name]
-        changed = not value if isinstance(value, bool) else value + ("x" if isinstance(value, str) else 1)
+        changed = (not value if isinstance(value, bool) else value + ("x" if isinstance(value, str) else
+                                                                      (1,) if isinstance(value, tuple) else 1))
         support.check_resumable({"hyperparameters": saved}, tmp_path,
                                 dataclasses.replace(train_gpt.Hyperparameters(), **{name: changed}),
                                 train_gpt.RESUMABLE_CHANGES)
-    with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.03, now 0.05\)"):
+    with pytest.raises(support.ConfigError, match=r"muon_lr \(checkpoint 0.023, now 0.05\)"):
         support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(muon_lr=0.05),
                                 train_gpt.RESUMABLE_CHANGES)
     del saved["yarn"]  # a checkpoint made before the setting existed

@@ -53,8 +53,8 @@ def test_a_few_steps_learn(tiny_shards, tmp_path):
 
 @pytest.mark.numerics
 def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny_shards, tmp_path):
-    """A run with the later records' structure (block 0 empty, the smear, sigmoid skip gates, the backout): the
-    smear gate trains with Muon and the two new scalars with Adam, the loss falls as in a few steps above, and
+    """A run with the later records' structure (an odd depth: the U without its layer 0, the key offset, the smear,
+    sigmoid skip gates, the backout): the smear gate trains with Muon and the two new scalars with Adam, the loss falls as in a few steps above, and
     tools/sample.py loads its checkpoint into the same structure with the trained values, its rotary tables in the
     dtype it runs in. In bf16 with the records' roundings: the lm_head and gates stored in bf16 (sampling loads them
     into its own dtype), bf16 Adam moments, the bf16 softcap and cross-entropy."""
@@ -67,7 +67,8 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     state = torch.load(result["checkpoints"][-1], map_location="cpu", weights_only=False)
     assert state["model"]["lm_head.weight"].dtype == state["model"]["smear_gate.weight"].dtype == torch.bfloat16
     assert state["optimizers"][0]["state"][0]["exp_avg"].dtype == torch.bfloat16
-    assert model.first_layer == 1 and model.skip_gates and model.backout_layer == 2
+    assert model.num_layers == 5 and model.skip_gates and model.backout_layer == 2
+    assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [4]
     assert model.smear_gate.weight.any()  # moved from its zero init
     trained = model.scalars[[model.smear_index, model.backout_index]].detach()
     assert (trained != torch.tensor([0.0, 0.5])).all()  # the smear's and the backout's lambdas from their inits
@@ -160,8 +161,8 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert "hardware: 1x CPU" in header
     for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
-                 "  compile: off (compile=false)", "  dtype: float32", "  training loss: in chunks of 1024 positions", "  num_iterations: 2", "  seq_len: 128",
-                 "MLP-free layers []; ", "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
+                 "  compile: off (compile=false)", "  dtype: float32", "  training loss: in chunks of 1024 positions", "  num_iterations: 2", "  seq_len: (128,)",
+                 "key offset on layers []; ", "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
                  "windows (units of 32 tokens; short layers half): 2, 4, 8, 16, 32 in equal parts of training, 32 for "
                  "the final validation; softmax scale by window 2: 0.1200000, 4: 0.1200000, 8: 0.1200000, 16: 0.1200000, "
                  "32: 0.1200000; rotary rescaled (YaRN) at each change\n"):
@@ -194,6 +195,36 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path, yarn):
     assert not steady_line.search(Path(resumed["log_path"]).read_text())
     said = "rotary rescaled (YaRN) at each change" if yarn == "true" else "rotary unchanged (yarn=false)"
     assert said in Path(full["log_path"]).read_text().split("=" * 100)[-1]
+
+
+def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, tmp_path):
+    """Three batch stages (2 x 128, 256, 384 tokens) and an extension, the records' structure and bf16 roundings (Adam's
+    moments in bf16 on float32 scalars), Adam every other step, warm-up steps in every process: resumed from a
+    checkpoint in each stage, a run ends with the uninterrupted one's weights, optimizer states and data position.
+    The log names each stage where it starts, and the clock times each one."""
+    common = [*RECORDS_STRUCTURE, *RECORDS_DTYPES, "--num_iterations=7", "--extension_steps=1", "--seq_len=128,256,384",
+              "--window_stages=1,2,3", "--final_window=4", "--adam_every=2", "--warmup_steps=2", "--val_loss_every=0",
+              "--save_checkpoint"]
+    full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=2", run_id="full")
+    log = Path(full["log_path"]).read_text()
+    for step, seq_len, window in ((0, 128, 1), (2, 256, 2), (4, 384, 3), (6, 384, 4)):
+        assert f"stage {seq_len}x{window}: from step {step}, 2 x {seq_len} tokens a step, long window {window} x 32" in log
+        assert re.search(rf"^stage {seq_len}x{window}: {2 if step < 6 else 1} steps, step_avg:", log, re.MULTILINE)
+    end = torch.load(tmp_path / "ckpt" / "full" / "step_000007.pt", weights_only=False)
+    for step in (2, 6):  # where the second stage starts, and where the extension does
+        run(tiny_shards, tmp_path, *common, f"--resume={tmp_path / 'ckpt' / 'full' / f'step_{step:06d}.pt'}",
+            run_id=f"from{step}")
+        resumed = torch.load(tmp_path / "ckpt" / f"from{step}" / "step_000007.pt", weights_only=False)
+        assert resumed["data"] == end["data"], step
+        for name, tensor in end["model"].items():
+            assert torch.equal(tensor, resumed["model"][name]), (step, name)
+        for ours, theirs in zip(end["optimizers"], resumed["optimizers"]):
+            for key, state in ours["state"].items():
+                for name, value in state.items():
+                    same = torch.equal(value, theirs["state"][key][name]) if torch.is_tensor(value) else value == \
+                        theirs["state"][key][name]
+                    assert same and (not torch.is_tensor(value) or value.dtype == theirs["state"][key][name].dtype), \
+                        (step, key, name)
 
 
 def test_restore_replays_every_window_change_up_to_its_step():
@@ -387,11 +418,11 @@ def test_a_stream_restored_at_a_shards_last_batch_goes_on_to_the_next_shard(tmp_
         shards.write_shard(tmp_path / f"s_train_{i:06d}.bin", (np.arange(200) + 100 * i) % TINY_VOCAB)
     make = lambda: train_gpt.TokenStream(str(tmp_path / "s_train_*.bin"), 64, 2, torch.device("cpu"), TINY_VOCAB)
     whole = make()
-    first = whole.next_batch(0, 1)
+    first = whole.next_batch(0, 1, 64)
     saved = whole.state_dict()
     restored = make()
     restored.load_state_dict(saved)
-    for a, b in zip(whole.next_batch(0, 1), restored.next_batch(0, 1)):
+    for a, b in zip(whole.next_batch(0, 1, 64), restored.next_batch(0, 1, 64)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].numel() == 64
     assert whole.state_dict() == restored.state_dict() == dict(shard_index=1, pos=128, epoch=0)
     assert not torch.equal(first[0][0], whole.tokens[:64].int())  # the second batch came from the second shard
@@ -451,9 +482,9 @@ def test_packed_documents_worked_out_by_hand(tmp_path):
     assert (len(first), len(second)) == (37, 27)
     streams = [packed_stream(tmp_path) for _ in range(3)]
     for slots in PACKED_BATCHES + PACKED_BATCHES[:1]:
-        assert_slots(streams[0].next_batch(0, 1), slots)
-        assert_slots(streams[1].next_batch(0, 2), slots[:1])
-        assert_slots(streams[2].next_batch(1, 2), slots[1:])
+        assert_slots(streams[0].next_batch(0, 1, 8), slots)
+        assert_slots(streams[1].next_batch(0, 2, 8), slots[:1])
+        assert_slots(streams[2].next_batch(1, 2, 8), slots[1:])
     assert all(s.state_dict() == dict(shard_index=0, pos=27, epoch=1) for s in streams)
 
 
@@ -463,12 +494,12 @@ def test_a_packed_stream_resumes_at_the_same_batch(tmp_path):
     documents_shard(tmp_path / "p_train_000000.bin", [3, 7, 2, 9, 4, 4, 6], lead=2)
     documents_shard(tmp_path / "p_train_000001.bin", [6] * 4, lead=3, first=11)
     whole = packed_stream(tmp_path)
-    whole.next_batch(0, 1)
+    whole.next_batch(0, 1, 8)
     for slots in PACKED_BATCHES[1:] + PACKED_BATCHES[:1]:
         restored = packed_stream(tmp_path)
         restored.load_state_dict(whole.state_dict())
-        assert_slots(restored.next_batch(0, 1), slots)
-        assert_slots(whole.next_batch(0, 1), slots)
+        assert_slots(restored.next_batch(0, 1, 8), slots)
+        assert_slots(whole.next_batch(0, 1, 8), slots)
         assert restored.state_dict() == whole.state_dict()
 
 
@@ -532,9 +563,9 @@ def test_each_optimizer_group_gets_its_lr():
 def test_ranks_split_the_same_global_batch(tiny_shards):
     """Whatever the world size, one step's slots are the same consecutive token windows."""
     pattern = tiny_shards[0].split("=", 1)[1]
-    one = train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu"), TINY_VOCAB).next_batch(0, 1)
+    one = train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu"), TINY_VOCAB).next_batch(0, 1, 128)
     streams = [train_gpt.TokenStream(pattern, 128, 4, torch.device("cpu"), TINY_VOCAB) for _ in range(2)]
-    two = [s.next_batch(rank, 2) for rank, s in enumerate(streams)]
+    two = [s.next_batch(rank, 2, 128) for rank, s in enumerate(streams)]
     slots = {slot: mb for rank in range(2) for slot, mb in zip(range(rank, 4, 2), two[rank])}
     for slot, (inputs, targets) in enumerate(one):
         assert torch.equal(inputs, slots[slot][0]) and torch.equal(targets, slots[slot][1])
@@ -545,7 +576,8 @@ def test_ranks_split_the_same_global_batch(tiny_shards):
 @pytest.mark.parametrize("argv, message", [
     (["--nope=1"], "unknown hyperparameter 'nope'; valid ones: train_files, "),
     (["--preset=gpu"], "unknown preset 'gpu'; valid presets: record, cpu"),
-    (["--seq_len=abc"], "--seq_len=abc: expected an integer"),
+    (["--seq_len=abc"], "--seq_len=abc: expected integers separated by commas"),
+    (["--lr_stage_peaks=1,x"], "--lr_stage_peaks=1,x: expected numbers separated by commas"),
     (["--compile=maybe"], "--compile=maybe: expected true or false"),
     (["--window_stages=3,x"], "--window_stages=3,x: expected integers separated by commas"),
     (["stray"], "unexpected argument 'stray'"),
@@ -558,21 +590,23 @@ def test_bad_overrides_are_refused(argv, message):
 
 def test_overrides_and_flags_parse():
     args, preset = train_gpt.parse_args(["--preset", "record", "--seq_len=1024", "--save_checkpoint",
-                                         "--resume", "x.pt", "--muon_lr=0.1", "--window_stages=2,5"], "cpu")
-    assert preset == "record" and args.seq_len == 1024 and args.save_checkpoint is True
-    assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 12 and args.window_stages == (2, 5)
+                                         "--resume", "x.pt", "--muon_lr=0.1", "--window_stages=2,5",
+                                         "--lr_stage_peaks=1,1.5"], "cpu")
+    assert preset == "record" and args.seq_len == (1024,) and args.save_checkpoint is True
+    assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 11 and args.window_stages == (2, 5)
+    assert args.lr_stage_peaks == (1.0, 1.5)
 
 
-EMPTY_FIRST_BLOCK = ["--first_layer_mlp=false", "--first_layer_attention=false"]
-RECORDS_STRUCTURE = ["--num_layers=4", *EMPTY_FIRST_BLOCK, "--smear=true", "--skip_gates=true", "--backout_layer=2"]
+RECORDS_STRUCTURE = ["--num_layers=5", "--key_offset=true", "--smear=true", "--skip_gates=true", "--backout_layer=2"]
 RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_gates_in_run_dtype=true",
                   "--adam_state_in_run_dtype=true", "--loss_in_run_dtype=true", "--loss_chunk=0"]
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--seq_len=100"], "seq_len=100 must be a positive multiple of 128"),
-    (["--val_seq_len=200"], "val_seq_len=200 must be a positive multiple of 128"),
-    (["--num_layers=3"], "num_layers=3 must be an even number"),
+    (["--seq_len=256,100"], "seq_len=256,100 must be positive multiples of 128"),
+    (["--val_seq_len=200"], "val_seq_len=200 must be positive multiples of 128"),
+    (["--lr_stage_peaks=1,0"], "lr_stage_peaks=1.0,0.0 must be one or more numbers > 0"),
+    (["--num_layers=1"], "num_layers=1 must be at least 2"),
     (["--val_tokens=1000"], "val_tokens=1000 must be a positive multiple of val_seq_len"),
     (["--window_stages=2,0"], "window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
     (["--packed_doc_len=-1"], "packed_doc_len=-1 must be >= 0"),
@@ -582,11 +616,11 @@ RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_
     (["--cooldown_frac=1.5"], "cooldown_frac=1.5 must be within [0, 1]"),
     (["--muon_neuron_beta2=1"], "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
     (["--muon_cautious_wd=-1"], "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
-    (["--mlp_up_lr_mul=0"], "mlp_up_lr_mul=0.0 must be > 0"),
+    (["--mlp_down_lr_mul=0"], "mlp_down_lr_mul=0.0 must be > 0"),
     (["--num_layers=4", "--skip_layers=1"], "skip_layers=1: all, none, or decoder layers with a partner, "
                                             "comma-separated (2 to 3 here)"),
-    (["--num_layers=4", *EMPTY_FIRST_BLOCK, "--skip_layers=2,3"], "skip_layers=2,3: all, none, or decoder layers "
-                                                                 "with a partner, comma-separated (2 to 2 here)"),
+    (["--num_layers=5", "--skip_layers=2,4"], "skip_layers=2,4: all, none, or decoder layers with a partner, "
+                                              "comma-separated (2 to 3 here)"),
     (["--skip_layers=two"], "skip_layers=two: all, none, or decoder layers"),
     (["--loss_chunk=-1"], "loss_chunk=-1 must be >= 0 (0: the whole sequence at once)"),
     (["--adam_every=0"], "adam_every=0 must be at least 1 (1: every step)"),
@@ -597,10 +631,7 @@ RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_
     (["--num_iterations=0"], "num_iterations=0 must be at least 1"),
     (["--extension_steps=10"], "extension_steps=10 must be within [0, num_iterations=10)"),
     (["--muon_momentum_cooldown_steps=-1"], "muon_momentum_cooldown_steps=-1 must be within [0, num_iterations=10)"),
-    (["--backout_layer=2"], "backout_layer=2 must be a layer below num_layers=2 other than an empty block 0"),
-    (["--num_layers=4", *EMPTY_FIRST_BLOCK, "--backout_layer=0"], "backout_layer=0 must be a layer below"),
-    (EMPTY_FIRST_BLOCK, "num_layers=2: with block 0 empty (first_layer_attention and first_layer_mlp off) at "
-                        "least 4 layers"),
+    (["--backout_layer=2"], "backout_layer=2 must be a layer below num_layers=2, or -1 for none"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
     with pytest.raises(train_gpt.ConfigError, match=re.escape(message)):
@@ -620,7 +651,7 @@ def test_command_line_errors_are_one_line_and_exit_non_zero(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "error: seq_len=1000 must be a positive multiple of 128 (the attention block size)"]
+        "error: seq_len=1000 must be positive multiples of 128 (the attention block size)"]
 
 
 def test_import_is_silent():
@@ -630,20 +661,21 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2025-11-18 RefineSkip) choices; the project's own are settings."""
+    """The record preset keeps the published record's (2025-12-14 PartialKeyOffset) choices; the project's own are
+    settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr, args.muon_neuron_beta2) == (
-        "polar_express", "record", 0.03, 0.95)
-    assert (args.mlp_up_lr_mul, args.muon_cautious_wd, args.skip_layers, args.residual_lambda_init) == (2.0, 1.2, "7", 1.1)
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (2225, 40, 0.5)
+        "polar_express", "record", 0.023, 0.95)
+    assert (args.mlp_down_lr_mul, args.muon_cautious_wd, args.skip_layers, args.residual_lambda_init) == (2.0, 1.2, "6", 1.1)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (2110, 40, 0.55)
+    assert args.lr_stage_peaks == (1.0, 1.51, 1.93) and args.num_layers == 11 and args.key_offset
     assert (args.head_lr, args.embed_lr, args.scalar_lr) == (0.008, 0.6, 0.04)
     assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.adam_every) == (0.65, 0.95, 1e-8, 2)
     assert (args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps) == (300, 50)
-    assert (args.seq_len, args.batch_slots, args.val_loss_every) == (32768, 8, 250)
+    assert (args.seq_len, args.batch_slots, args.val_loss_every) == ((16384, 32768, 49152), 8, 250)
     assert args.attn_gates and args.packed_doc_len == 2048 and args.warmup_steps == 30
     assert (args.window_stages, args.final_window, args.final_long_window, args.attention_scale) == ((3, 7, 11), 13, 20, 0.1)
-    assert (args.first_layer_mlp, args.first_layer_attention, args.smear, args.skip_gates, args.backout_layer) == (
-        False, False, True, True, 8)
+    assert (args.smear, args.skip_gates, args.backout_layer) == (True, True, 7)
     assert args.yarn and args.rotary_in_run_dtype and args.head_and_gates_in_run_dtype and args.adam_state_in_run_dtype
     assert args.loss_in_run_dtype
     # the ideas under measurement on the CPU track are off
@@ -656,10 +688,11 @@ def test_record_preset_is_the_published_record():
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "--orthogonalizer='polar_express'" in help_text and "--fp8_grad_scale='record'" in help_text
-    for shown in ("--num_iterations=2225", "--extension_steps=40", "--cooldown_frac=0.5", "--window_stages=3,7,11",
+    for shown in ("--num_iterations=2110", "--extension_steps=40", "--cooldown_frac=0.55", "--window_stages=3,7,11",
+                  "--seq_len=16384,32768,49152", "--lr_stage_peaks=1.0,1.51,1.93", "--num_layers=11",
                   "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",
-                  "--first_layer_mlp=False", "--attention_scale=0.1", "--yarn=True", "--adam_every=2", "--skip_layers='7'",
-                  "--muon_cautious_wd=1.2", "--mlp_up_lr_mul=2.0", "--residual_lambda_init=1.1"):
+                  "--key_offset=True", "--attention_scale=0.1", "--yarn=True", "--adam_every=2", "--skip_layers='6'",
+                  "--muon_cautious_wd=1.2", "--mlp_down_lr_mul=2.0", "--residual_lambda_init=1.1"):
         assert shown in help_text, shown
 
 
@@ -826,7 +859,7 @@ def test_mfu_on_cpu_is_against_a_peak_the_run_measured(tiny_shards, tmp_path):
                        r"MFU ([\d.]+)%$", text, re.MULTILINE)
     assert steady, text[-2000:]
     assert float(steady[1]) == pytest.approx(first_ms / 1000, abs=0.051)
-    tokens_per_step = math.prod(int(re.search(rf"^  {key}: (\d+)$", text, re.MULTILINE)[1])
+    tokens_per_step = math.prod(int(re.search(rf"^  {key}: \(?(\d+),?\)?$", text, re.MULTILINE)[1])
                                 for key in ("batch_slots", "seq_len"))  # as the run logged them
     # in ms: the train_times and the rate are logged rounded, which shows when steps are slow
     rate = float(steady[2])

@@ -19,8 +19,8 @@ Without CUDA the checks that can run on CPU run at small sizes; the rest are SKI
 
 --bench times the record preset's training step (the cpu preset's without CUDA; --key=value overrides
 either) as a run on this machine computes it: one process per GPU, each running its share of the step's
-micro-steps, on packed synthetic documents read through the training loader, compiled, at each window
-stage after untimed steps. It prints ms per step, tokens/s, MFU and peak memory per stage, and the
+micro-steps, on packed synthetic documents read through the training loader, compiled, at each stage
+(batch size and window) after untimed steps. It prints ms per step, tokens/s, MFU and peak memory per stage, and the
 projected training time of the whole run here and on 8 such GPUs.
 """
 
@@ -37,8 +37,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLISHED_RECORD = ("2025-11-18 record (RefineSkip) computes: val 3.2789 at step 2225 after 134.9 s of "
-                    "training on 8xH100, the means of its 10 published logs, unmeasured by us")
+PUBLISHED_RECORD = ("2025-12-14 record (PartialKeyOffset) computes: val 3.2780 at step 2110 after 128.9 s of "
+                    "training on 8xH100, the means of its 11 published logs, unmeasured by us")
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -56,7 +56,7 @@ import shards  # noqa: E402
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
 ATTENTION_TOLERANCE = 2e-2  # bf16 rounding on CUDA; float32 on CPU agrees far more closely
 CHECK_SEQ_LEN = 8 * 1024  # tokens per training step in the training check: compiles and runs in well under a minute
-BENCH_UNTIMED_STEPS = 2  # per window stage before timing: the first compiles the stage's graphs
+BENCH_UNTIMED_STEPS = 2  # per stage before timing: the first compiles the stage's graphs
 BENCH_DOC_TOKENS = 670  # mean synthetic document: FineWeb's sample-10BT holds about 10B GPT-2 tokens in 15M documents
 RECORD_GPUS = 8
 
@@ -199,7 +199,7 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
     trainer = train_gpt.Trainer(args, 0, 1, plan)
     g = torch.Generator().manual_seed(3)
     batch = [(t[:-1].to(device, torch.int32), t[1:].to(device)) for t in
-             [torch.randint(0, args.vocab_size, (args.seq_len + 1,), generator=g) for _ in range(trainer.grad_accum_steps)]]
+             [torch.randint(0, args.vocab_size, (args.seq_len[0] + 1,), generator=g) for _ in range(trainer.grad_accum_steps)]]
     losses = [float(trainer.train_step(step, batch)) for step in range(warmup)]
     trainer.synchronize()
     t0 = time.perf_counter()
@@ -209,11 +209,11 @@ def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps:
     losses += [float(loss) for loss in timed]
     if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0] - 0.5:
         raise AssertionError(f"the loss did not fall on a repeated batch: {[round(x, 3) for x in losses]}")
-    tokens_per_second = args.batch_slots * args.seq_len / (step_ms / 1000)
+    tokens_per_second = args.batch_slots * args.seq_len[0] / (step_ms / 1000)
     achieved = run_support.flops_per_token(trainer.model, args) * tokens_per_second
     peak, source = run_support.matmul_peak(device, train_gpt.DTYPES[plan.dtype])
     mfu = f"{achieved / 1e12:.2f} TFLOP/s, MFU {100 * achieved / peak:.1f}% of {source}"
-    return (f"{args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens: loss "
+    return (f"{args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len[0]} tokens: loss "
             f"{losses[0]:.2f} -> {losses[-1]:.2f}; {step_ms:.1f} ms/step, {tokens_per_second:,.0f} tokens/s, {mfu}")
 
 
@@ -295,25 +295,25 @@ def write_synthetic_shard(path: Path, num_tokens: int, seed: int = 4):
     shards.write_shard(path, tokens)
 
 
-def stage_steps(args: train_gpt.Hyperparameters) -> dict[int, list[int]]:
-    """Each window stage's training steps, in the order the run reaches them."""
+def stage_steps(args: train_gpt.Hyperparameters) -> dict[tuple[int, int], list[int]]:
+    """Each stage's training steps, by (seq_len, window), in the order the run reaches them."""
     steps = {}
     for step in range(args.num_iterations):
-        steps.setdefault(train_gpt.window_at(step, args), []).append(step)
+        steps.setdefault((train_gpt.seq_len_at(step, args), train_gpt.window_at(step, args)), []).append(step)
     return steps
 
 
 def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, rank: int, world_size: int,
                  device: torch.device) -> dict:
-    """This rank's share of real training steps, at the first steps of each window stage: ms per step over `steps`
-    after BENCH_UNTIMED_STEPS, and the peak memory."""
+    """This rank's share of real training steps, at the first steps of each stage (seq_len, window): ms per step over
+    `steps` after BENCH_UNTIMED_STEPS, and the peak memory."""
     plan = train_gpt.plan_device(args, device)
     trainer = train_gpt.Trainer(args, rank, world_size, plan)
-    stream = train_gpt.TokenStream(train_files, args.seq_len, args.batch_slots, device, args.vocab_size,
+    stream = train_gpt.TokenStream(train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
                                    plan.pinned_memory, args.packed_doc_len)
     barrier = dist.barrier if world_size > 1 else (lambda: None)
-    step_ms = {}
-    for window, run_steps in stage_steps(args).items():
+    stages = []
+    for (seq_len, window), run_steps in stage_steps(args).items():
         start = time.perf_counter()
         for i in range(BENCH_UNTIMED_STEPS + steps):
             if i == BENCH_UNTIMED_STEPS:
@@ -322,15 +322,16 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
                 t0 = time.perf_counter()
             step = run_steps[min(i, len(run_steps) - 1)]  # the schedules of the stage's steps; the window of all
             trainer.move_window(step)
-            trainer.train_step(step, stream.next_batch(rank, world_size))
+            trainer.train_step(step, stream.next_batch(rank, world_size, seq_len))
         trainer.synchronize()
-        step_ms[window] = 1000 * (time.perf_counter() - t0) / steps
+        ms = 1000 * (time.perf_counter() - t0) / steps
+        flops = run_support.flops_per_token(trainer.model, dataclasses.replace(args, window_stages=(window,),
+                                                                               seq_len=(seq_len,)))
+        stages.append((seq_len, window, ms, flops))
         if rank == 0:  # progress, with the time of the untimed steps, which compile
-            print(f"window {window}: {BENCH_UNTIMED_STEPS} untimed steps in {t0 - start:.1f} s, then "
-                  f"{step_ms[window]:.1f} ms/step", file=sys.stderr, flush=True)
+            print(f"{args.batch_slots} x {seq_len} tokens, window {window}: {BENCH_UNTIMED_STEPS} untimed steps in "
+                  f"{t0 - start:.1f} s, then {ms:.1f} ms/step", file=sys.stderr, flush=True)
     trainer.stop_if_nonfinite()
-    stages = [(w, ms, run_support.flops_per_token(trainer.model, dataclasses.replace(args, window_stages=(w,))))
-              for w, ms in step_ms.items()]
     return dict(stages=stages, peak_memory=run_support.peak_memory_line(device), dtype=plan.dtype, compile=plan.compile,
                 micro_steps=trainer.grad_accum_steps)
 
@@ -349,16 +350,16 @@ def bench_report(args: train_gpt.Hyperparameters, preset: str, result: dict, pro
     """The figures of bench_stages, and the whole run's training time projected from them."""
     dtype = train_gpt.DTYPES[result["dtype"]]
     peak, peak_source = run_support.matmul_peak(device, dtype)
-    tokens_per_step = args.batch_slots * args.seq_len
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    lines = [f"bench: preset {preset}, {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} "
-             f"tokens a step; {processes} process(es) on {device.type} ({name}), {result['micro_steps']} micro-step(s) "
+    lines = [f"bench: preset {preset}, {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x "
+             f"{'/'.join(map(str, args.seq_len))} tokens a step; {processes} process(es) on {device.type} ({name}), {result['micro_steps']} micro-step(s) "
              f"each; dtype {result['dtype']}, compile {result['compile']}; {run_support.torch_description()}"]
     projected_ms = 0.0
-    for (window, ms, flops), run_steps in zip(result["stages"], stage_steps(args).values()):
+    for (seq_len, window, ms, flops), run_steps in zip(result["stages"], stage_steps(args).values()):
         projected_ms += len(run_steps) * ms
-        tokens_per_second = tokens_per_step / (ms / 1000)
-        lines.append(f"window {window} ({window * args.window_unit} tokens), {len(run_steps)} steps: {ms:.1f} ms/step, "
+        tokens_per_second = args.batch_slots * seq_len / (ms / 1000)
+        lines.append(f"{args.batch_slots} x {seq_len} tokens, window {window} ({window * args.window_unit} tokens), "
+                     f"{len(run_steps)} steps: {ms:.1f} ms/step, "
                      f"{tokens_per_second:,.0f} tokens/s, MFU {100 * flops * tokens_per_second / (peak * processes):.1f}%")
     lines.append(f"MFU against {peak_source} per process; rank 0's {result['peak_memory']}")
     projection = f"projected training time of {args.num_iterations} steps: {projected_ms / 1000:.1f} s here"
@@ -384,7 +385,7 @@ def bench_main(argv: list[str]) -> str:
         print(f"warning: {untested}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         shard = Path(tmp) / "synthetic_train_000000.bin"
-        write_synthetic_shard(shard, 4 * args.batch_slots * (args.seq_len + 1))
+        write_synthetic_shard(shard, 4 * args.batch_slots * (max(args.seq_len) + 1))
         if own["processes"] == 1:
             result = bench_stages(args, str(shard), own["steps"], 0, 1, device)
         else:
@@ -399,10 +400,10 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
     """(name, PASS/FAIL/SKIP, figures or reason) per check."""
     cuda = device.type == "cuda"
     record = train_gpt.Hyperparameters()
-    training = dataclasses.replace(record, seq_len=CHECK_SEQ_LEN, batch_slots=1, num_iterations=100, warmup_steps=0)
+    training = dataclasses.replace(record, seq_len=(CHECK_SEQ_LEN,), batch_slots=1, num_iterations=100, warmup_steps=0)
     checks = [
         ("environment", lambda: check_environment(device)),
-        ("fp8 matmul", lambda: check_fp8(device, *((record.seq_len, 768, 50304) if cuda else (128, 768, 1024)))),
+        ("fp8 matmul", lambda: check_fp8(device, *((max(record.seq_len), 768, 50304) if cuda else (128, 768, 1024)))),
         ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
                                             **({} if cuda else dict(heads=2, head_dim=32, stages=1)))),
         ("flex backward", lambda: check_flex(device, 4096, backward=True)),

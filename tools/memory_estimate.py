@@ -1,6 +1,6 @@
 """Estimate the training memory of a preset's model per GPU from what it saves for backward on CPU.
 
-    python tools/memory_estimate.py                          # the record model, seq_len 32K .. 4K
+    python tools/memory_estimate.py                          # the record model at each batch stage's seq_len
     python tools/memory_estimate.py --seq_lens 32768 8192
 
 Runs the forward in eager mode on CPU with bf16 activations at two sequence lengths and counts the
@@ -48,7 +48,7 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="record", choices=list(train_gpt.PRESETS))
-    parser.add_argument("--seq_lens", type=int, nargs="+", default=[32768, 16384, 8192, 4096])
+    parser.add_argument("--seq_lens", type=int, nargs="+", help="tokens per GPU (default: the preset's stages)")
     args = parser.parse_args(argv)
     hp = train_gpt.Hyperparameters(**train_gpt.PRESETS[args.preset])
     torch.manual_seed(0)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
           f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "
           f"optimizer states and bf16 weight copies")
-    for seq_len in args.seq_lens:
+    for seq_len in args.seq_lens or sorted(hp.seq_len, reverse=True):
         total = fixed + seq_len * (sum(per_token) + logit_grad)
         print(f"  seq_len {seq_len:6d}: about {total / GIB:5.1f} GiB per GPU in eager mode")
     return 0

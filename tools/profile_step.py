@@ -36,7 +36,7 @@ def main(argv=None) -> str:
     g = torch.Generator().manual_seed(0)
 
     def batch():
-        tokens = torch.randint(0, args.vocab_size, (trainer.grad_accum_steps, args.seq_len + 1), generator=g)
+        tokens = torch.randint(0, args.vocab_size, (trainer.grad_accum_steps, args.seq_len[0] + 1), generator=g)
         return [(t[:-1].to(device, torch.int32), t[1:].to(device)) for t in tokens]
 
     trainer.train_step(0, batch())
@@ -50,7 +50,7 @@ def main(argv=None) -> str:
         step_ms = 1000 * (time.perf_counter() - t0) / own["steps"]
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     report = "\n".join([
-        f"preset {preset}: {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len} tokens a step, "
+        f"preset {preset}: {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x {args.seq_len[0]} tokens a step (the first stage's), "
         f"dtype {plan.dtype}, compile {plan.compile}; {device.type}, {torch.get_num_threads()} threads",
         f"{own['steps']} profiled steps, {step_ms:.0f} ms a step (under the profiler); top {own['top']} operations by self time:",
         prof.key_averages().table(sort_by=sort_by, row_limit=own["top"]),

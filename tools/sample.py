@@ -40,10 +40,11 @@ def pad_to_blocks(tokens: torch.Tensor) -> torch.Tensor:
 class LayerCache:
     """One attention layer's rotated keys and mixed values (1, H, positions, D) for generation, in
     buffers that double when full (or are made for reserve positions at once), so adding a token
-    copies one position, not the whole history. The attention layer appends to it (its cache hook)."""
+    copies one position, not the whole history. The attention layer appends to it (its cache hook),
+    and with the key offset keeps the last position's key from before the offset in last_key."""
 
     def __init__(self, reserve: int = 0):
-        self.keys = self.values = None
+        self.keys = self.values = self.last_key = None
         self.length, self.reserve = 0, reserve
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +114,11 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
-    max_seq_len = max(args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
     try:
         train_gpt.check_hyperparameters(args, 1)
+        max_seq_len = max(*args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
         model = train_gpt.build_model(args, max_seq_len)
-    except (ValueError, RuntimeError) as e:  # ConfigError is a ValueError
+    except (ValueError, RuntimeError, TypeError) as e:  # ConfigError is a ValueError; TypeError: an older file's kinds
         raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in state["model"].items()}
