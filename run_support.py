@@ -332,12 +332,13 @@ class TrainingClock:
         self.validations += 1
         return loss
 
-    def throughput_lines(self, flops_per_token: float, peak: tuple[float, str], world_size: int) -> list[str]:
+    def throughput_lines(self, flops_per_token: float, peak: tuple[float, str], world_size: int,
+                         stage_flops: dict | None = None) -> list[str]:
         """Tokens/s and MFU over the timed steps, over the steps after step 1 (which may compile), and in each stage
-        (step 1 included)."""
-        def rate(tokens: int, ms: float) -> str:
+        (step 1 included), at the stage's own FLOPs per token where stage_flops has them."""
+        def rate(tokens: int, ms: float, flops: float = flops_per_token) -> str:
             tokens_per_second = tokens / max(ms / 1000, 1e-9)
-            achieved = flops_per_token * tokens_per_second
+            achieved = flops * tokens_per_second
             return (f"{tokens_per_second:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, "
                     f"MFU {100 * achieved / (peak[0] * world_size):.1f}%")
 
@@ -347,7 +348,8 @@ class TrainingClock:
                          f"{rate(self.timed_tokens - self.first_step_tokens, self.training_ms - self.first_step_ms)}")
         if len(self.stages) > 1:
             for stage, (steps, tokens, ms) in self.stages.items():
-                lines.append(f"stage {stage}: {steps} steps, step_avg:{ms / max(steps, 1):.2f}ms, {rate(tokens, ms)}")
+                flops = (stage_flops or {}).get(stage, flops_per_token)
+                lines.append(f"stage {stage}: {steps} steps, step_avg:{ms / max(steps, 1):.2f}ms, {rate(tokens, ms, flops)}")
         return lines
 
 
@@ -415,7 +417,10 @@ def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, v
     args, buckets = trainer.args, trainer.buckets
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
-    for line in clock.throughput_lines(flops_per_token(trainer.model, args), peak, trainer.world_size):
+    stage_flops = {stage: flops_per_token(trainer.model, dataclasses.replace(args, seq_len=(int(seq_len),),
+                                                                           window_stages=(int(window),)))
+                   for stage in clock.stages for seq_len, window in [stage.split("x")]}
+    for line in clock.throughput_lines(flops_per_token(trainer.model, args), peak, trainer.world_size, stage_flops):
         log(line)
     if buckets is not None:
         log(f"gradient buckets: {len(buckets.buckets)}, all-reduces per bucket {buckets.reductions} "

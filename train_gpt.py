@@ -226,7 +226,7 @@ def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype =
     else:
         X = X / (norm + 1e-7)
     # Each line rounds once, as the record's kernels do: A = X X^T, B = b A + c A A^T, X = a X + B X, the last two as
-    # one scaled product and sum each; over a stack, a lone matrix as a stack of one, as the record's stacked calls.
+    # one scaled product and sum each (add_apart: the last twice); a lone matrix as a stack of one, as the record's.
     shape = X.shape
     X = X.reshape(-1, *shape[-2:]).contiguous()
     for a, b, c in coeffs:
@@ -298,7 +298,7 @@ class Muon(torch.optim.Optimizer):
         self.lr_mul, self.add_apart = lr_mul or {}, set(add_apart)
         self.lr_factor = {p: torch.tensor(max(1.0, p.numel() / p.size(-1) ** 2) ** 0.5 * self.lr_mul.get(p, 1.0))
                           for p in params}
-        self.wd_factor = torch.ones(())
+        self.wd_factor = torch.ones(())  # every matrix's wd_mul, 1: the records' float32 order (1 wd) lr
         self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
         self.normalize = compiled_on_first_use(normalize_neurons) if compiled else normalize_neurons
         self.update = compiled_on_first_use(cautious_update) if compiled else cautious_update
@@ -388,14 +388,13 @@ def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, st
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam without weight decay, each group with its own lr, states in state_dtype (None: the parameter's). Compiled on
-    CUDA, as in the record: its bf16 states are then rounded once per update, not once per operation."""
+    """Adam without weight decay, each group with its own lr, its moments in each parameter's dtype (the records' from
+    2025-10-27, whose warm-up reload casts them so). Compiled on CUDA, as in the record: bf16 moments are then rounded
+    once per update, not once per operation."""
 
-    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False,
-                 state_dtype: torch.dtype | None = None):
+    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False):
         super().__init__(param_groups, dict(betas=betas, eps=eps))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
-        self.state_dtype = state_dtype
         self.step_sizes = {}  # a CPU float32 scalar per parameter: the compiled update's input
 
     @torch.no_grad()
@@ -407,8 +406,7 @@ class Adam(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=self.state_dtype),
-                                 exp_avg_sq=torch.zeros_like(p, dtype=self.state_dtype))
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
                 # The lr and both bias corrections in double precision, as the record's Python floats, then in a CPU
                 # scalar: an input of the compiled update (a Python float would recompile it at every new value).
@@ -417,14 +415,6 @@ class Adam(torch.optim.Optimizer):
                     self.step_sizes[p] = torch.zeros((), dtype=torch.float32)
                 self.step_sizes[p].fill_(group["lr"] * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
                 self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_sizes[p], beta1, beta2, eps)
-
-    def load_state_dict(self, state_dict: dict):
-        """The base class casts the moments to each parameter's dtype; they go back to state_dtype, as they were."""
-        super().load_state_dict(state_dict)
-        if self.state_dtype is not None:
-            for state in self.state.values():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = state[key].to(self.state_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1267,7 +1257,6 @@ class Hyperparameters:
     adam_beta2: float = 0.95  # Adam second-moment decay
     adam_eps: float = 1e-8  # Adam epsilon
     adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
-    adam_state_in_run_dtype: bool = True  # Adam's moments in the run's dtype (bf16), not the parameter's (records from 2025-09-11)
     muon_lr: float = 0.023  # Muon lr for hidden matrices
     mlp_down_lr_mul: float = 2.0  # Muon lr multiplier of each MLP's down-projection, on top of the shape's (records from 2025-12-11)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
@@ -1325,7 +1314,7 @@ PRESETS = {
         embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
-        muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md)
+        muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md); 20 keeps 10's decay
         smear=True,  # the 2025-09-18 record's smear: lower on every paired seed (records/track_cpu/README.md)
         # The 2025-09-11 to 11-18 records' pieces measured here without a clear gain, as the 09-10 record had them.
         skip_gates=False,
@@ -1344,8 +1333,7 @@ PRESETS = {
         loss_in_run_dtype=False,
         adam_beta1=0.8,
         adam_eps=1e-10,
-        adam_state_in_run_dtype=False,
-        muon_lr=0.025,  # the 2025-12-11 layouts double every matrix's lr: the steps measured at 0.05 before
+        muon_lr=0.025,  # the 2025-12-11 layouts double attention's and the MLPs' lr: their steps as measured at 0.05 (the smear gate's halve)
         muon_momentum_cooldown_steps=0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
@@ -1581,8 +1569,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     compiled = plan is not None and plan.compile_optimizers
     adam = Adam([dict(params=[model.lm_head.weight], lr=args.head_lr), dict(params=embeddings, lr=args.embed_lr),
                  dict(params=[model.scalars, *ve_gates], lr=args.scalar_lr)],
-                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled,
-                state_dtype=DTYPES[plan.dtype if plan else args.dtype] if args.adam_state_in_run_dtype else None)
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
                 neuron_beta2=args.muon_neuron_beta2, weight_decay=args.muon_cautious_wd,
@@ -1613,7 +1600,7 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
     """The stage's peak (lr_stage_peaks, each from the step after its part begins: the record's test is strict), then
     in the cooldown linear from it toward 0.1 at the end of the scheduled steps; 0.1 through the extension."""
     scheduled = args.num_iterations - args.extension_steps
-    if step > scheduled:
+    if step >= scheduled:  # the record's formula gives 0.1 at the last scheduled step too
         return 0.1
     progress, stages = step / scheduled, len(args.lr_stage_peaks)
     peak = args.lr_stage_peaks[0]

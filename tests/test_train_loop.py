@@ -198,10 +198,10 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path, yarn):
 
 
 def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, tmp_path):
-    """Three batch stages (2 x 128, 256, 384 tokens) and an extension, the records' structure and bf16 roundings (Adam's
-    moments in bf16 on float32 scalars), Adam every other step, warm-up steps in every process: resumed from a
-    checkpoint in each stage, a run ends with the uninterrupted one's weights, optimizer states and data position.
-    The log names each stage where it starts, and the clock times each one."""
+    """Three batch stages (2 x 128, 256, 384 tokens) and an extension, the records' structure and bf16 roundings, Adam
+    every other step, warm-up steps in every process: resumed where the second stage and where the extension start, a
+    run ends with the uninterrupted one's weights, optimizer states (and their dtypes) and data position. The log
+    names each stage where it starts, and the clock times each one."""
     common = [*RECORDS_STRUCTURE, *RECORDS_DTYPES, "--num_iterations=7", "--extension_steps=1", "--seq_len=128,256,384",
               "--window_stages=1,2,3", "--final_window=4", "--adam_every=2", "--warmup_steps=2", "--val_loss_every=0",
               "--save_checkpoint"]
@@ -540,7 +540,7 @@ def test_a_corrupt_later_shard_is_refused_when_the_stream_is_made(tmp_path):
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by lr * sign(grad) (as the record's formula by hand, within its
     float32 rounding, its moments float32 here), so each group's lr shows."""
-    args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64, adam_state_in_run_dtype=False)
+    args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)
     model = train_gpt.GPT(args.vocab_size, 2, 1, 64, 64, 128)
     adam, muon = train_gpt.build_optimizers(model, args)
     groups = {tuple(map(id, g["params"])): g["lr"] for g in adam.param_groups}
@@ -599,7 +599,7 @@ def test_overrides_and_flags_parse():
 
 RECORDS_STRUCTURE = ["--num_layers=5", "--key_offset=true", "--smear=true", "--skip_gates=true", "--backout_layer=2"]
 RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_gates_in_run_dtype=true",
-                  "--adam_state_in_run_dtype=true", "--loss_in_run_dtype=true", "--loss_chunk=0"]
+                  "--loss_in_run_dtype=true", "--loss_chunk=0"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -676,7 +676,7 @@ def test_record_preset_is_the_published_record():
     assert args.attn_gates and args.packed_doc_len == 2048 and args.warmup_steps == 30
     assert (args.window_stages, args.final_window, args.final_long_window, args.attention_scale) == ((3, 7, 11), 13, 20, 0.1)
     assert (args.smear, args.skip_gates, args.backout_layer) == (True, True, 7)
-    assert args.yarn and args.rotary_in_run_dtype and args.head_and_gates_in_run_dtype and args.adam_state_in_run_dtype
+    assert args.yarn and args.rotary_in_run_dtype and args.head_and_gates_in_run_dtype
     assert args.loss_in_run_dtype
     # the ideas under measurement on the CPU track are off
     assert (args.loss_chunk, args.value_embed_layout, args.value_embed_gates, args.dtype) == (0, "u", False, "bfloat16")

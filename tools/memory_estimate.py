@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     adam_params = [model.lm_head.weight, model.embed.weight, *(t.weight for t in model.value_embeds), model.scalars]
     muon_bytes = sum(4 * p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
-    adam_state_bytes = sum(p.numel() * (2 if hp.adam_state_in_run_dtype else p.element_size()) for p in adam_params)
+    adam_state_bytes = sum(p.numel() * p.element_size() for p in adam_params)
     fixed = 2 * weights + 2 * adam_state_bytes + muon_bytes + casts
     logit_grad = (2 if hp.loss_in_run_dtype else 4) * model.lm_head.weight.size(0)  # gradient of one position's logits
     print(f"{args.preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters: saved for backward "

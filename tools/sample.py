@@ -114,11 +114,14 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
+    if isinstance(args.seq_len, int) or "key_offset" not in state["hyperparameters"]:
+        raise train_gpt.ConfigError(f"{path}: made by train_gpt.py before 7451827 (the 2025-12-14 layouts); load it "
+                                    f"with the tools of the commit that made it")
     try:
         train_gpt.check_hyperparameters(args, 1)
         max_seq_len = max(*args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
         model = train_gpt.build_model(args, max_seq_len)
-    except (ValueError, RuntimeError, TypeError) as e:  # ConfigError is a ValueError; TypeError: an older file's kinds
+    except (ValueError, RuntimeError) as e:  # ConfigError is a ValueError
         raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in state["model"].items()}
