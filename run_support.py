@@ -297,6 +297,11 @@ def flops_per_token(model, args) -> float:
     return 6 * matmul_weights + 12 * args.num_heads * args.head_dim * keys
 
 
+def stage_flops_per_token(model, args, seq_len: int, window: int) -> float:
+    """flops_per_token() of one stage: its sequence length and long window alone."""
+    return flops_per_token(model, dataclasses.replace(args, seq_len=(seq_len,), window_stages=(window,)))
+
+
 @dataclasses.dataclass
 class TrainingClock:
     """Training time excludes validation, checkpoints and the warm-up steps (which compile), as in the
@@ -417,9 +422,7 @@ def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, v
     args, buckets = trainer.args, trainer.buckets
     for path in checkpoints:
         log(f"checkpoint: {path}", console=False)
-    stage_flops = {stage: flops_per_token(trainer.model, dataclasses.replace(args, seq_len=(int(seq_len),),
-                                                                           window_stages=(int(window),)))
-                   for stage in clock.stages for seq_len, window in [stage.split("x")]}
+    stage_flops = {stage: stage_flops_per_token(trainer.model, args, *map(int, stage.split("x"))) for stage in clock.stages}
     for line in clock.throughput_lines(flops_per_token(trainer.model, args), peak, trainer.world_size, stage_flops):
         log(line)
     if buckets is not None:

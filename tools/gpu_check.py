@@ -325,8 +325,7 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
             trainer.train_step(step, stream.next_batch(rank, world_size, seq_len))
         trainer.synchronize()
         ms = 1000 * (time.perf_counter() - t0) / steps
-        flops = run_support.flops_per_token(trainer.model, dataclasses.replace(args, window_stages=(window,),
-                                                                               seq_len=(seq_len,)))
+        flops = run_support.stage_flops_per_token(trainer.model, args, seq_len, window)
         stages.append((seq_len, window, ms, flops))
         if rank == 0:  # progress, with the time of the untimed steps, which compile
             print(f"{args.batch_slots} x {seq_len} tokens, window {window}: {BENCH_UNTIMED_STEPS} untimed steps in "
