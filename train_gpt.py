@@ -95,30 +95,29 @@ def settle_vector_math():
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344
-LOGIT_SOFTCAP = 30.0  # logits = LOGIT_SOFTCAP * sigmoid(z / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
+LOGIT_SOFTCAP = 23.0  # logits = LOGIT_SOFTCAP * sigmoid((z + LOGIT_OFFSET) / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
+LOGIT_OFFSET = 5.0  # (records from 2025-12-26; 30 and 0 before)
 LOGIT_SOFTCAP_SPREAD = 7.5
-LM_HEAD_WEIGHT_SCALE = 2**-9  # the record's FP8 scale of the lm_head weight: |w| up to 448 * 2^-9
+LM_HEAD_FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)  # the record's (x, w, grad) scales (records from 2025-12-29)
 
 
 FP8_GRAD_SCALES = ("record", "e5m2_bound")  # the values of Hyperparameters.fp8_grad_scale
 
 
-def lm_head_fp8_scales(model_dim: int, grad_scale: str = "record") -> tuple[float, float, float]:
-    """(x, w, grad) scales of the lm_head's FP8 matmul: x is RMS-normed, so every element is at most
-    sqrt(width) in magnitude; w keeps the record's scale."""
-    x_scale = model_dim**0.5 / E4M3_MAX
+def lm_head_fp8_scales(grad_scale: str = "record", logit_cap: float = LOGIT_SOFTCAP) -> tuple[float, float, float]:
+    """(x, w, grad) scales of the lm_head's FP8 matmul: the record's, or with the gradient's from its bound."""
     if grad_scale == "record":
-        return x_scale, LM_HEAD_WEIGHT_SCALE, 1 / E4M3_MAX  # the published record's values
-    # |dCE/dlogit| <= 1 and the softcap's slope <= 30 / (4 * 7.5) = 1: that bound at e5m2's max uses the
-    # binades 1/448 leaves free at the top, keeping small gradients that 1/448 flushes to zero.
-    grad_bound = LOGIT_SOFTCAP / (4 * LOGIT_SOFTCAP_SPREAD)
-    return x_scale, LM_HEAD_WEIGHT_SCALE, grad_bound / E5M2_MAX
+        return LM_HEAD_FP8_SCALES
+    # |dCE/dlogit| <= 1 and the softcap's slope <= cap / (4 spread): that bound at e5m2's max uses the binades the
+    # record's scale leaves free at the top, keeping small gradients that it flushes to zero.
+    grad_bound = logit_cap / (4 * LOGIT_SOFTCAP_SPREAD)
+    return *LM_HEAD_FP8_SCALES[:2], grad_bound / E5M2_MAX
 
 
-def softcap(z: Tensor, in_z_dtype: bool = False) -> Tensor:
-    """Logits in (0, LOGIT_SOFTCAP) from the lm_head's output z: in float32, or rounded to z's dtype (bf16) after each
+def softcap(z: Tensor, in_z_dtype: bool = False, cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
+    """Logits in (0, cap) from the lm_head's output z: in float32, or rounded to z's dtype (bf16) after each
     operation, as the records from 2025-09-27 compute the training loss."""
-    return LOGIT_SOFTCAP * torch.sigmoid((z if in_z_dtype else z.float()) / LOGIT_SOFTCAP_SPREAD)
+    return cap * torch.sigmoid(((z if in_z_dtype else z.float()) + offset) / LOGIT_SOFTCAP_SPREAD)
 
 
 def _fp8_forward(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -378,43 +377,62 @@ class Muon(torch.optim.Optimizer):
             del self.state[p]
 
 
-def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor, beta1: float,
-                beta2: float, eps: float):
-    """One Adam step of p in place, as the record computes it: eps is added to sqrt(v), not to
-    sqrt(v) / sqrt(1 - beta2^t); step_size holds the lr and both bias corrections."""
+def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor, decay: Tensor,
+                beta1: float, beta2: float, eps: float):
+    """One Adam step of p in place, as the records from 2025-12-31 compute it: eps is added to sqrt(v), not to
+    sqrt(v) / sqrt(1 - beta2^t); step_size holds the lr and both bias corrections. Cautious weight decay: decay p
+    joins the update where the update moves p toward zero (the mask > 0 of the records from 2025-12-22)."""
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    p.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(step_size))
+    update = exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(step_size)
+    mask = (update * p) > 0
+    update.add_(p.to(update.dtype) * mask * decay)  # the record's addcmul_ of mask, p and decay: no host read of decay
+    p.add_(update, alpha=-1.0)
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam without weight decay, each group with its own lr, its moments in each parameter's dtype (the records' from
-    2025-10-27, whose warm-up reload casts them so). Compiled on CUDA, as in the record: bf16 moments are then rounded
-    once per update, not once per operation."""
+    """Adam with cautious weight decay, each group with its own lr, betas and wd_mul (decay lr^2 wd wd_mul: the lr
+    twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
+    CUDA, as in the record. Parameters in idle (the untied embedding, before its untie) are not stepped."""
 
-    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, compiled: bool = False):
-        super().__init__(param_groups, dict(betas=betas, eps=eps))
+    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
+                 compiled: bool = False):
+        super().__init__(param_groups, dict(betas=betas, eps=eps, weight_decay=weight_decay, wd_mul=1.0))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
-        self.step_sizes = {}  # a CPU float32 scalar per parameter: the compiled update's input
+        self.idle = set()
+        # The step size and decay of each update, computed in double precision as the record's Python floats, then
+        # held in CPU float32 scalars: inputs of the compiled update (a Python float would recompile it at every value).
+        self.step_size, self.decay = torch.zeros(()), torch.zeros(())
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            (beta1, beta2), eps = group["betas"], group["eps"]
+            (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or p in self.idle:
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    moment = lambda: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                    state.update(step=0, exp_avg=moment(), exp_avg_sq=moment())
                 state["step"] += 1
-                # The lr and both bias corrections in double precision, as the record's Python floats, then in a CPU
-                # scalar: an input of the compiled update (a Python float would recompile it at every new value).
                 t = state["step"]
-                if p not in self.step_sizes:
-                    self.step_sizes[p] = torch.zeros((), dtype=torch.float32)
-                self.step_sizes[p].fill_(group["lr"] * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
-                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_sizes[p], beta1, beta2, eps)
+                self.step_size.fill_(lr * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
+                self.decay.fill_(lr * lr * group["weight_decay"] * group["wd_mul"])
+                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_size, self.decay, beta1, beta2, eps)
+
+    def copy_state(self, source: nn.Parameter, target: nn.Parameter):
+        """target takes source's values and moments, and its step count (the untie of the records from 2025-12-22)."""
+        target.data.copy_(source.data)
+        self.state[target] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in self.state[source].items()}
+
+    def load_state_dict(self, state_dict: dict):
+        # The base class casts the moments to each parameter's dtype: set them again from the saved ones.
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.state[params[index]][key] = saved[key].to(params[index].device, copy=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -432,9 +450,9 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def init_bound(fan_in: int) -> float:
-    """Weights start uniform in +-bound: std 0.5 / sqrt(fan_in) (in the record's order of operations)."""
-    return 3**0.5 * (0.5 * fan_in**-0.5)
+def init_bound(fan_in: int, std_scale: float = 0.5) -> float:
+    """Weights start uniform in +-bound: std std_scale / sqrt(fan_in) (in the record's order of operations)."""
+    return 3**0.5 * (std_scale * fan_in**-0.5)
 
 
 class CastedLinear(nn.Linear):
@@ -587,19 +605,19 @@ def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False,
-                 key_offset: bool = False):
+                 key_offset: bool = False, init_std_scale: float = 0.5):
         super().__init__()
         self.num_heads, self.head_dim, self.key_offset = num_heads, head_dim, key_offset
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
-        bound = init_bound(model_dim)
+        bound = init_bound(model_dim, init_std_scale)
         # q, k, v and the output projection in one parameter (one Muon matrix each); the output starts at zero.
         self.qkvo_w = nn.Parameter(torch.empty(4, model_dim, model_dim))
         with torch.no_grad():
             self.qkvo_w[:3].uniform_(-bound, bound)
             self.qkvo_w[3].zero_()
-        # Optional gates, per head: the attention output times sigmoid(w . x[:12]) (the record), and the value
-        # embedding times 2 sigmoid(w . x[:12]) (from later records).
+        # Optional gates, per head: the attention output times sigmoid(w . x[:12]), and the value embedding times
+        # 2 sigmoid(w . x[:12]) (records from 2025-12-29).
         gate_inputs = min(GATE_INPUTS, model_dim)
         self.attn_gate = CastedLinear(gate_inputs, num_heads) if attn_gate else None
         self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
@@ -648,17 +666,17 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, attn_gate: bool = False,
-                 ve_gate: bool = False, key_offset: bool = False):
+                 ve_gate: bool = False, key_offset: bool = False, attn_init_std: float = 0.5):
         super().__init__()
-        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset)
+        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset, attn_init_std)
                      if has_attention else None)
         self.mlp = MLP(model_dim)
 
-    def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, lambdas: Tensor, attn_lambdas: Tensor, mask,
-                rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0,
+    def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, resid_lambda: Tensor, x0_lambda: Tensor,
+                attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0,
                 restarts: Tensor | None = None) -> Tensor:
         """x0: the embeddings, None in the first layer, where x is x0 and the two lambdas are summed (the record)."""
-        x = (lambdas[0] + lambdas[1]) * x if x0 is None else lambdas[0] * x + lambdas[1] * x0
+        x = (resid_lambda + x0_lambda) * x if x0 is None else resid_lambda * x + x0_lambda * x0
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
         x = x + self.mlp(norm(x))
@@ -731,9 +749,10 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     logits: each chunk's gradients are made in the forward while its logits are at hand; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False) -> Tensor:
+    def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False,
+                cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
         scale = 1 / LOGIT_SOFTCAP_SPREAD
-        c = LOGIT_SOFTCAP * scale  # d logits/d z = c * s * (1 - s)
+        c = cap * scale  # d logits/d z = c * s * (1 - s)
         need_grads = any(ctx.needs_input_grad[:2])
         grad_xn = torch.empty_like(xn) if need_grads else None
         grad_w = torch.zeros_like(w, dtype=torch.float32) if need_grads else None
@@ -742,16 +761,16 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
             rows, t = xn[start:start + chunk], targets[start:start + chunk]
             target_cols = t[:, None]  # each row's target, as a gather index
             if softcap_in_xn_dtype:  # sigmoid(z / spread) as the bf16 softcap rounds it (its gradient is not this one's)
-                s = softcap(rows @ w.T, in_z_dtype=True).float().div_(LOGIT_SOFTCAP)
+                s = softcap(rows @ w.T, True, cap, offset).float().div_(cap)
             else:
-                s = (rows @ w.T).float().mul_(scale).sigmoid_()
-            # Logits in (0, LOGIT_SOFTCAP): exp cannot overflow, so no max pass. exp2, because inductor on
+                s = (rows @ w.T).float().add_(offset).mul_(scale).sigmoid_()
+            # Logits in (0, cap): exp cannot overflow, so no max pass. exp2, because inductor on
             # CPU stores an exp read twice (a float32 copy of the chunk's logits) but recomputes an exp2.
-            softmax = torch.exp2(s * (LOGIT_SOFTCAP * LOG2E))
+            softmax = torch.exp2(s * (cap * LOG2E))
             sum_exp = softmax.sum(dim=-1)
             s_target = s.gather(1, target_cols)
             # Out of place: torch 2.11's dynamo passes a zero gradient to backward for an output it saw mutated.
-            total = total + (sum_exp.log() - LOGIT_SOFTCAP * s_target.squeeze(1)).sum()
+            total = total + (sum_exp.log() - cap * s_target.squeeze(1)).sum()
             if not need_grads:
                 continue
             # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s); the one-hot entry of each row is
@@ -768,31 +787,44 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: Tensor):
         grad_xn, grad_w = ctx.saved_tensors
-        return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None
+        return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None, None
 
     @classmethod
-    def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False) -> Tensor:
+    def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False,
+             cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
         """apply(), with gradients only where autograd can use them: needs_input_grad follows requires_grad even
         under no_grad, so validation's inputs go in detached."""
         if not torch.is_grad_enabled():
             xn, w = xn.detach(), w.detach()
         if softcap_in_xn_dtype and torch.is_grad_enabled():
             raise ValueError("the chunked loss's gradient is the float32 softcap's: softcap_in_xn_dtype is for evaluation")
-        return cls.apply(xn, w, targets, chunk, softcap_in_xn_dtype)
+        return cls.apply(xn, w, targets, chunk, softcap_in_xn_dtype, cap, offset)
+
+
+def multi_token_loss(logits: Tensor, targets: Tensor, weights: Tensor) -> Tensor:
+    """Multi-token prediction (the records from 2025-12-22): the sum over positions t and k < n of weights[k] times the
+    cross-entropy of logits (T, V) at t against the target k tokens ahead; terms past the sequence's end are zero."""
+    n, T = weights.numel(), targets.numel()
+    ahead = F.pad(targets, (0, n - 1)).unfold(0, n, 1)  # (T, n): row t holds targets t..t+n-1
+    losses = torch.logsumexp(logits, dim=-1)[:, None] - logits.gather(1, ahead)
+    past_end = torch.arange(T, device=logits.device)[:, None] + torch.arange(n, device=logits.device) >= T
+    return (losses.masked_fill(past_end, 0) * weights).sum()
 
 
 class GPT(nn.Module):
     """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
     reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it). windows: every
     long window of a run in order, each with its softmax scale; skip_layers: the decoder layers that take a skip (None:
-    every one)."""
+    every one). embed_tied: the input embedding is the lm_head's weight (the records from 2025-12-19, until the untie)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
                  loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
                  value_embed_gates: bool = False, attn_gates: bool = False, key_offset: bool = False,
-                 smear: bool = False, skip_gates: bool = False,
+                 smear: bool = False, skip_gates: bool = False, skip_input_gate: bool = False,
                  skip_layers: tuple | None = None, residual_lambda_init: float = 1.0, backout_layer: int = -1,
+                 attn_init_std: float = 0.5, head_init_std: float = 0.0, logit_cap: float = LOGIT_SOFTCAP,
+                 logit_offset: float = LOGIT_OFFSET,
                  rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
                  softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
@@ -807,31 +839,43 @@ class GPT(nn.Module):
         self.long_window = long_window_layers(num_layers)
         no_attention = attention_free_layer(num_layers, value_embed_layout)
         padded_vocab = next_multiple(vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
-        self.embed = nn.Embedding(padded_vocab, model_dim)
-        # The smear's gate reads the first GATE_INPUTS dims of a token's embedding.
-        self.smear_gate = CastedLinear(min(GATE_INPUTS, model_dim), 1) if smear else None
-        self.value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
-                                          for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
+        # Built in the record's order of random draws (the gates draw nothing), registered below in forward order.
+        gate_inputs = min(GATE_INPUTS, model_dim)  # the gates read the first dims of their input
+        smear_gate = CastedLinear(gate_inputs, 1) if smear else None
+        skip_gate = CastedLinear(gate_inputs, 1) if skip_input_gate else None
+        value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
+                                     for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
         with torch.no_grad():  # zero after their draws, which keeps every later draw in its place (records from 2025-12-14)
-            for table in self.value_embeds:
+            for table in value_embeds:
                 table.weight.zero_()
-        # One parameter for all scalars (one Adam tensor): U-net skip weights, per layer the (stream, x0) lambdas and
-        # those on attention's (q k v, output) weights, then the smear's lambda and the backout's where those are on.
+        blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, attn_gates,
+                                     value_embed_gates and self.ve_layout[i] is not None,
+                                     key_offset and self.long_window[i], attn_init_std)
+                               for i in range(num_layers))
+        self.logit_cap, self.logit_offset = logit_cap, logit_offset
+        lm_head = CastedLinear(model_dim, padded_vocab, lm_head_fp8_scales(fp8_grad_scale, logit_cap) if fp8 else None)
+        if head_init_std:
+            nn.init.normal_(lm_head.weight, mean=0, std=head_init_std)
+        self.embed = nn.Embedding(padded_vocab, model_dim)
+        self.embed_tied = False
+        self.smear_gate, self.value_embeds = smear_gate, value_embeds
+        # Scalars, one Adam tensor: per layer the residual stream's lambda, those on attention's (q k v, output)
+        # weights, then the smear's and the backout's lambdas where those are on, and the U-net skip weights. The x0
+        # lambdas are a tensor of their own: the records give them Adam's betas, the scalars smoother ones.
         self.skip_gates, self.backout_layer = skip_gates, backout_layer
         self.num_skip_weights = len(skip_receivers(num_layers))
-        self.smear_index = self.num_skip_weights + 4 * num_layers
+        self.smear_index = 3 * num_layers
         self.backout_index = self.smear_index + int(smear)
         self.scalars = nn.Parameter(torch.cat([
-            torch.full((self.num_skip_weights,), SKIP_GATE_INIT if skip_gates else 1.0),
-            torch.tensor([residual_lambda_init, 0.0]).repeat(num_layers),
+            torch.full((num_layers,), residual_lambda_init),
             torch.tensor([0.5, 1.0]).repeat(num_layers),
             torch.zeros(int(smear)),
             torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
+            torch.full((self.num_skip_weights,), SKIP_GATE_INIT if skip_gates else 1.0),
         ]))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, attn_gates,
-                                          value_embed_gates and self.ve_layout[i] is not None,
-                                          key_offset and self.long_window[i])
-                                    for i in range(num_layers))
+        self.x0_lambdas = nn.Parameter(torch.zeros(num_layers))
+        self.skip_gate = skip_gate
+        self.blocks = blocks
         # U-net skips: decoder layer i adds skip_partner(i)'s output, weighted by skip weight i - (first decoder layer).
         decoder = skip_receivers(num_layers)
         self.skip_layers = tuple(decoder) if skip_layers is None else tuple(skip_layers)
@@ -841,8 +885,7 @@ class GPT(nn.Module):
         self.window_unit = window_unit
         self.rotary = Rotary(head_dim, max_seq_len, window_unit, rotary_dtype)
         self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
-        self.lm_head = CastedLinear(model_dim, padded_vocab,
-                                    lm_head_fp8_scales(model_dim, fp8_grad_scale) if fp8 else None)
+        self.lm_head = lm_head
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
         if loss_chunk and softcap_in_run_dtype:
             raise ValueError("the chunked training loss computes its softcap in float32: softcap_in_run_dtype needs loss_chunk=0")
@@ -853,17 +896,27 @@ class GPT(nn.Module):
             if isinstance(module, CastedLinear):
                 module.to(linear_dtype)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None) -> Tensor:
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None,
+                mtp_weights: Tensor | None = None) -> Tensor:
         """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
-        the long layers' alone). Training returns the summed loss, eval the mean, EVAL_LOSS_CHUNK positions at a time."""
+        the long layers' alone). Training returns the summed loss (multi_token_loss with mtp_weights), eval the mean,
+        EVAL_LOSS_CHUNK positions at a time."""
         x = self.trunk(input_seq, window, long_window=long_window)
         if self.training and not self.loss_chunk:
             logits = self.softcapped_logits(x, self.softcap_in_run_dtype)
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction="sum")
+            logits = logits.view(-1, logits.size(-1))
+            if mtp_weights is not None:
+                return multi_token_loss(logits, target_seq, mtp_weights)
+            return F.cross_entropy(logits, target_seq, reduction="sum")
+        if self.training and mtp_weights is not None:
+            raise ValueError("multi-token prediction needs the whole logits: loss_chunk=0")
         loss = ChunkedSoftcapLoss.loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq,
                                        self.loss_chunk if self.training else EVAL_LOSS_CHUNK,
-                                       self.softcap_in_run_dtype and not self.training)
+                                       self.softcap_in_run_dtype and not self.training, self.logit_cap, self.logit_offset)
         return loss if self.training else loss / target_seq.numel()
+
+    def embedding(self, tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, self.lm_head.weight) if self.embed_tied else self.embed(tokens)
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -872,9 +925,9 @@ class GPT(nn.Module):
         restarts (T,) bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0,
         the smear passing nothing into it (with an EOT there, attention already stops)."""
         L, S = self.num_layers, self.num_skip_weights
-        skip_weights = self.scalars[:S]
-        lambdas = self.scalars[S:S + 2 * L].view(L, 2)
-        attn_lambdas = self.scalars[S + 2 * L:self.smear_index].view(L, 2)
+        resid_lambdas = self.scalars[:L]
+        attn_lambdas = self.scalars[L:3 * L].view(L, 2)
+        skip_weights = self.scalars[self.scalars.numel() - S:]
         long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
                                                          long_window=long_window)
         scale = self.attention_scales[window]
@@ -885,9 +938,9 @@ class GPT(nn.Module):
                 raise ValueError("restarts are for whole sequences: not with a cache")
             index = torch.arange(tokens.numel(), device=tokens.device)
             positions = index - torch.where(restarts, index, 0).cummax(0).values
-        x = self.embed(tokens)
+        x = self.embedding(tokens)
         if self.smear_gate is not None:
-            x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
+            x = self.smear(x, self.embedding(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
         x = x0 = norm(x[None])
         skips, backout = {}, None
         partners = {skip_partner(L, i): i for i in self.skip_layers}
@@ -895,9 +948,12 @@ class GPT(nn.Module):
         for i in range(L):
             if i in self.skip_layers:
                 weight = skip_weights[i - first_decoder]
-                x = x + (torch.sigmoid(weight) if self.skip_gates else weight) * skips.pop(i)
+                gate = torch.sigmoid(weight) if self.skip_gates else weight
+                if self.skip_gate is not None:  # times 2 sigmoid(w . x0[:12]) (records from 2025-12-29)
+                    gate = gate * 2 * torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features]))
+                x = x + gate * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
-            x = self.blocks[i](x, x0 if i else None, layer_ve, lambdas[i], attn_lambdas[i],
+            x = self.blocks[i](x, x0 if i else None, layer_ve, resid_lambdas[i], self.x0_lambdas[i], attn_lambdas[i],
                                long_mask if self.long_window[i] else short_mask, self.rotary, scale,
                                None if cache is None else cache.layers[i], positions, restarts)
             if i in partners:
@@ -924,7 +980,7 @@ class GPT(nn.Module):
     def softcapped_logits(self, x: Tensor, in_run_dtype: bool = False) -> Tensor:
         """Logits over the padded vocabulary from the final residual stream: float32, or softcapped in the run's dtype
         (training's with loss_in_run_dtype)."""
-        return softcap(self.lm_head(norm(x)), in_run_dtype)
+        return softcap(self.lm_head(norm(x)), in_run_dtype, self.logit_cap, self.logit_offset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -935,7 +991,8 @@ class GradientBuckets:
     """Gradient averaging over ranks in buckets of about bucket_bytes: on the last micro-step, the hook of a bucket's
     last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies).
     Buckets of deferred parameters (Adam's, when it steps every few steps) are reduced only on the steps that set
-    reduce_deferred; in between, their gradients add up in the buffers, as each rank's own."""
+    reduce_deferred; in between, their gradients add up in the buffers, as each rank's own. Parameters in idle get no
+    gradient (the untied embedding, before its untie): their buckets are reduced without them, or not at all."""
 
     def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
                  sum_dtype: torch.dtype | None = None, deferred: list[nn.Parameter] = ()):
@@ -953,6 +1010,7 @@ class GradientBuckets:
             size += p.numel() * self._wire_bytes(p)
         self.deferred = [id(bucket[0]) in deferred_ids for bucket in self.buckets]
         self.reduce_deferred = True  # this step reduces the deferred buckets too
+        self.idle = set()
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.offset_of = {p: sum(q.numel() for q in bucket[:i])
                           for bucket in self.buckets for i, p in enumerate(bucket)}
@@ -990,23 +1048,26 @@ class GradientBuckets:
         if not self.last_micro_step or not self._due(b):
             return
         self.ready[b] += 1
-        if self.ready[b] > len(self.buckets[b]):
+        if self.ready[b] > self._expected(b):
             raise RuntimeError(f"gradient bucket {b} got more gradients than it has parameters in one step")
-        if self.ready[b] < len(self.buckets[b]) or self.world_size == 1:
+        if self.ready[b] < self._expected(b) or self.world_size == 1:
             return
         self.handles[b] = dist.all_reduce(self.flat[b], op=dist.ReduceOp.AVG, async_op=True)
         self.reductions[b] += 1
 
     def _due(self, b: int) -> bool:
-        return self.reduce_deferred or not self.deferred[b]
+        return (self.reduce_deferred or not self.deferred[b]) and self._expected(b) > 0
+
+    def _expected(self, b: int) -> int:
+        return sum(p not in self.idle for p in self.buckets[b])
 
     def wait_for_gradients(self):
         for b, bucket in enumerate(self.buckets):
             if not self._due(b):
                 continue
-            if self.ready[b] < len(bucket):
-                raise RuntimeError(f"gradient bucket {b} was not reduced: {len(bucket) - self.ready[b]} "
-                                   f"of its {len(bucket)} parameters got no gradient this step")
+            if self.ready[b] < self._expected(b):
+                raise RuntimeError(f"gradient bucket {b} was not reduced: {self._expected(b) - self.ready[b]} "
+                                   f"of its {self._expected(b)} parameters got no gradient this step")
             if self.handles[b] is not None:
                 self.handles[b].wait()
             if self.sum_dtype is not None:
@@ -1204,7 +1265,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2025-12-14 PartialKeyOffset); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2025-12-31 GatesToCompiledAdam); presets override some of them
 
 
 @dataclass
@@ -1218,10 +1279,10 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 2110  # optimizer steps
+    num_iterations: int = 1825  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
-    cooldown_frac: float = 0.55  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
-    lr_stage_peaks: tuple = (1.0, 1.51, 1.93)  # lr multiplier before the cooldown in each equal part of the scheduled steps, from the step after a part begins (records from 2025-11-29)
+    cooldown_frac: float = 0.5  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
+    lr_stage_peaks: tuple = (1.0, 1.52, 1.73)  # lr multiplier before the cooldown in each equal part of the scheduled steps, from the step after a part begins (records from 2025-11-29)
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of the scheduled steps; short-window layers get half (rounded down)
@@ -1236,14 +1297,21 @@ class Hyperparameters:
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
     value_embed_layout: str = "u"  # value-embedding tables on layers: u (the record: first and last three) or alternate (every other layer; reported better in later records)
-    value_embed_gates: bool = False  # a learned per-head gate on each value embedding (from later records; off in the record)
-    attn_gates: bool = True  # a learned per-head gate on each attention output, trained by Muon (the record's sparse attention gate)
+    value_embed_gates: bool = True  # a learned per-head gate on each value embedding (records from 2025-12-29)
+    attn_gates: bool = True  # a learned per-head gate on each attention output (the record's sparse attention gate)
     key_offset: bool = True  # the long-window layers' keys take the previous position's on the rotary's stationary dims (records from 2025-12-14)
     smear: bool = True  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
     skip_gates: bool = True  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
+    skip_input_gate: bool = True  # the skip's weight also times 2 sigmoid(v . x0[:12]), v learned (records from 2025-12-29)
     skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
+    attn_init_std: float = 1.0  # q, k, v weights start uniform with std attn_init_std / sqrt(model_dim) (records from 2025-12-22; 0.5 before)
+    head_init_std: float = 0.005  # the lm_head's weights start normal with this std (records from 2025-12-19); 0: zero
+    untie_embed_frac: float = 2 / 3  # the input embedding is the lm_head's weight until the first Adam step from this fraction of the scheduled steps, then a copy of it and its Adam state (records from 2025-12-22); 0: its own from the start
+    mtp_weights: tuple = (1.0, 0.5, 0.25)  # multi-token prediction: part k of as many equal parts of the scheduled steps weighs the next len-k tokens by these, the last fading to 0 over the part (records from 2025-12-22); (1.0,): next token only
+    logit_cap: float = 23.0  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
+    logit_offset: float = 5.0  # the softcap's offset above
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
     loss_in_run_dtype: bool = True  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
@@ -1251,11 +1319,18 @@ class Hyperparameters:
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
     head_lr: float = 0.008  # Adam lr for the lm_head
-    embed_lr: float = 0.6  # Adam lr for token and value embeddings
+    embed_lr: float = 0.008  # Adam lr for the token embedding, once untied
+    value_embed_lr: float = 0.6  # Adam lr for the value embeddings
     scalar_lr: float = 0.04  # Adam lr for skip weights and mixing lambdas
+    gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
+    smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
+    skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
     adam_beta1: float = 0.65  # Adam first-moment decay
     adam_beta2: float = 0.95  # Adam second-moment decay
+    scalar_beta1: float = 0.9  # the scalars' Adam first-moment decay, but for the x0 lambdas (records from 2025-12-21)
+    scalar_beta2: float = 0.99  # the scalars' Adam second-moment decay
     adam_eps: float = 1e-8  # Adam epsilon
+    adam_cautious_wd: float = 0.005  # Adam's cautious weight decay, times lr^2 and each group's ADAM_WD_MULS (records from 2025-12-18); 0: off
     adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
     muon_lr: float = 0.023  # Muon lr for hidden matrices
     mlp_down_lr_mul: float = 2.0  # Muon lr multiplier of each MLP's down-projection, on top of the shape's (records from 2025-12-11)
@@ -1310,8 +1385,10 @@ PRESETS = {
         head_dim=128,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
         attn_gates=False,  # no gain on paired seeds (records/track_cpu/README.md)
+        value_embed_gates=False,
         head_lr=0.11 / 128**0.5,  # 0.11 when the head divided z by sqrt(width): the same steps on the logits
-        embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
+        embed_lr=0.3,  # Adam lrs x0.5 of the record's 2025-12-18 ones: better at 2 x 1024 tokens a step
+        value_embed_lr=0.3,
         scalar_lr=0.02,
         muon_momentum_warmup_steps=30,
         muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md); 20 keeps 10's decay
@@ -1325,6 +1402,16 @@ PRESETS = {
         mlp_down_lr_mul=1.0,
         # Their other pieces, likewise: unmeasured at this size.
         lr_stage_peaks=(1.0,),
+        skip_input_gate=False,
+        attn_init_std=0.5,
+        head_init_std=0.0,
+        untie_embed_frac=0.0,
+        mtp_weights=(1.0,),
+        logit_cap=30.0,
+        logit_offset=0.0,
+        scalar_beta1=0.8,
+        scalar_beta2=0.95,
+        adam_cautious_wd=0.0,
         key_offset=False,
         extension_steps=0,
         final_long_window=0,
@@ -1333,7 +1420,7 @@ PRESETS = {
         loss_in_run_dtype=False,
         adam_beta1=0.8,
         adam_eps=1e-10,
-        muon_lr=0.025,  # the 2025-12-11 layouts double attention's and the MLPs' lr: their steps as measured at 0.05 (the smear gate's halve)
+        muon_lr=0.025,  # the 2025-12-11 layouts double attention's and the MLPs' lr: their steps as measured at 0.05
         muon_momentum_cooldown_steps=0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
@@ -1414,6 +1501,16 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
                           f"computes its softcap in float32")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
+    if not args.mtp_weights or args.mtp_weights[0] != 1 or min(args.mtp_weights) <= 0:
+        raise ConfigError(f"mtp_weights={','.join(map(str, args.mtp_weights))} must start with 1 (the next token's) and "
+                          f"be > 0")
+    if len(args.mtp_weights) > 1 and args.loss_chunk:
+        raise ConfigError(f"mtp_weights={','.join(map(str, args.mtp_weights))} needs loss_chunk=0 (got "
+                          f"{args.loss_chunk}): multi-token prediction takes the whole logits")
+    if not 0 <= args.untie_embed_frac < 1:
+        raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} must be within [0, 1) (0: untied from the start)")
+    if args.logit_cap <= 0 or args.adam_cautious_wd < 0:
+        raise ConfigError(f"logit_cap={args.logit_cap} must be > 0 and adam_cautious_wd={args.adam_cautious_wd} >= 0")
     if args.adam_every < 1:
         raise ConfigError(f"adam_every={args.adam_every} must be at least 1 (1: every step)")
     if args.checkpoint_every % args.adam_every:
@@ -1548,8 +1645,10 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
                value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
                attn_gates=args.attn_gates, key_offset=args.key_offset, smear=args.smear, skip_gates=args.skip_gates,
+               skip_input_gate=args.skip_input_gate,
                skip_layers=skip_layers(args), residual_lambda_init=args.residual_lambda_init,
-               backout_layer=args.backout_layer,
+               backout_layer=args.backout_layer, attn_init_std=args.attn_init_std, head_init_std=args.head_init_std,
+               logit_cap=args.logit_cap, logit_offset=args.logit_offset,
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
                linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
                softcap_in_run_dtype=args.loss_in_run_dtype,
@@ -1557,19 +1656,30 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 
 
+# Adam's weight-decay multipliers (the records' from 2025-12-29); the other parameters' is 0.
+ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
+
+
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
                      plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
-    """Adam for the lm_head, the embeddings and the scalars (value-embedding gates too: a few scalars a head); Muon for
-    the hidden matrices, attention and smear gates included (the records). Each group keeps its initial_lr for the
-    schedule."""
-    ve_gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate is not None]
-    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in ve_gates)]
-    hidden += [model.smear_gate.weight] if model.smear_gate is not None else []
-    embeddings = [model.embed.weight, *(t.weight for t in model.value_embeds)]
+    """Adam for the lm_head, the embeddings, the gates and the scalars (the records' from 2025-12-31); Muon for the
+    hidden matrices. Each group keeps its initial_lr for the schedule."""
+    gates = [gate.weight for block in model.blocks if block.attn is not None
+             for gate in (block.attn.attn_gate, block.attn.ve_gate) if gate is not None]
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
     compiled = plan is not None and plan.compile_optimizers
-    adam = Adam([dict(params=[model.lm_head.weight], lr=args.head_lr), dict(params=embeddings, lr=args.embed_lr),
-                 dict(params=[model.scalars, *ve_gates], lr=args.scalar_lr)],
-                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, compiled=compiled)
+    groups = [
+        dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"]),
+        dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"]),
+        dict(params=[t.weight for t in model.value_embeds], lr=args.value_embed_lr, wd_mul=ADAM_WD_MULS["value_embeds"]),
+        dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"]),
+        dict(params=[g.weight for g in (model.smear_gate,) if g is not None], lr=args.smear_gate_lr, wd_mul=0.0),
+        dict(params=[g.weight for g in (model.skip_gate,) if g is not None], lr=args.skip_gate_lr, wd_mul=0.0),
+        dict(params=[model.x0_lambdas], lr=args.scalar_lr, wd_mul=0.0),
+        dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=(args.scalar_beta1, args.scalar_beta2)),
+    ]
+    adam = Adam([group for group in groups if group["params"]], betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_eps, weight_decay=args.adam_cautious_wd, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
                 neuron_beta2=args.muon_neuron_beta2, weight_decay=args.muon_cautious_wd,
@@ -1662,12 +1772,46 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return args.muon_momentum_end
 
 
-def training_shapes(args: Hyperparameters) -> list[tuple[int, int]]:
-    """The (seq_len, window) pairs of the training steps, in order: each compiles its own graphs."""
-    return list(dict.fromkeys((seq_len_at(step, args), window_at(step, args)) for step in range(args.num_iterations)))
+def mtp_weights_at(step: int, args: Hyperparameters) -> tuple[float, ...]:
+    """Multi-token prediction's weights at step: in part k of len(mtp_weights) equal parts of the scheduled steps, the
+    first len - k of them, the last of several fading linearly to 0 over the part (the records' from 2025-12-22, with
+    their tests); the next token's alone in the last part and the extension."""
+    n, progress = len(args.mtp_weights), step / (args.num_iterations - args.extension_steps)
+    part = sum(progress >= k / n for k in range(1, n))
+    weights = list(args.mtp_weights[:n - part])
+    if len(weights) > 1:
+        weights[-1] = weights[-1] * (1 - (n * progress - part))
+    return tuple(weights)
 
 
-# Each (seq_len, window) compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's
+def untie_step(args: Hyperparameters) -> int | None:
+    """The step after whose update the input embedding becomes a copy of the lm_head: Adam's first step from
+    untie_embed_frac of the scheduled steps on (the record's ceil(2/3 N) | 1); None: never tied."""
+    if not args.untie_embed_frac:
+        return None
+    step = math.ceil(args.untie_embed_frac * (args.num_iterations - args.extension_steps))
+    while not adam_steps_at(step, args):
+        step += 1
+    return step
+
+
+def embed_tied_at(step: int, args: Hyperparameters) -> bool:
+    """Whether step's forward takes its input embedding from the lm_head's weight."""
+    untie = untie_step(args)
+    return untie is not None and step <= untie
+
+
+def training_shapes(args: Hyperparameters) -> dict[tuple, int]:
+    """The first step of each (seq_len, window, multi-token predictions, embedding tied) of the training steps, in
+    order: each compiles its own graphs."""
+    shapes = {}
+    for step in range(args.num_iterations):
+        shape = (seq_len_at(step, args), window_at(step, args), len(mtp_weights_at(step, args)), embed_tied_at(step, args))
+        shapes.setdefault(shape, step)
+    return shapes
+
+
+# Each training shape compiles its own graphs, as in the record (training, validation; uncompiled, flex_attention's
 # per mask and grad mode); past dynamo's recompile limit it would run eagerly, and eager FlexAttention materializes
 # every score.
 GRAPHS_PER_SHAPE = 4
@@ -1705,22 +1849,37 @@ class Trainer:
             torch._dynamo.config.recompile_limit,
             GRAPHS_PER_SHAPE * (len(training_shapes(args)) + len(self.model.attention_scales)))
         self.window = window_at(0, args)
+        self.untie_step = untie_step(args)
+        self.tie_embedding(embed_tied_at(0, args))
+        # Each step's multi-token weights, made once (None: the next token's alone).
+        self.mtp_weights = [torch.tensor(w, device=plan.device) if len(w) > 1 else None
+                            for w in (mtp_weights_at(step, args) for step in range(args.num_iterations))]
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
 
     def move_window(self, step: int):
+        """step's window (YaRN on a change) and embedding: before its validation and training step."""
         self.window = move_window(self.model, self.window, step, self.args)
+        self.tie_embedding(embed_tied_at(step, self.args))
+
+    def tie_embedding(self, tied: bool):
+        """The input embedding from the lm_head's weight or its own; its own parameter then gets no gradient."""
+        self.model.embed_tied = tied
+        self.adam.idle = {self.model.embed.weight} if tied else set()
+        if self.buckets is not None:
+            self.buckets.idle = self.adam.idle
 
     def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One optimizer step (Adam's only every adam_every steps, on their summed gradients); returns the mean training
         loss per token as a device tensor (no sync)."""
         adam_steps = adam_steps_at(step, self.args)
+        self.tie_embedding(embed_tied_at(step, self.args))
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             if self.buckets is not None:
                 self.buckets.last_micro_step = i == len(micro_batches) - 1
                 self.buckets.reduce_deferred = adam_steps
-            loss = self.compiled(inputs, targets, self.window)
+            loss = self.compiled(inputs, targets, self.window, None, self.mtp_weights[step])
             # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
             (loss / self.grad_accum_steps).backward()
             total += loss.detach()
@@ -1734,6 +1893,8 @@ class Trainer:
         stepping = self.optimizers if adam_steps else [self.muon]
         for optimizer in stepping:
             optimizer.step()
+        if step == self.untie_step:  # the input embedding goes its own way from the lm_head's values and Adam state
+            self.adam.copy_state(self.model.lm_head.weight, self.model.embed.weight)
         if self.buckets is not None:
             self.buckets.zero_grad()
         else:
@@ -1767,19 +1928,21 @@ class Trainer:
         return float(total) / len(val_sequences)
 
     def warm_up(self, first_step: int):
-        """Compile (and warm caches) on random tokens, each (seq_len, window) that training uses in turn (the rotary
+        """Compile (and warm caches) on random tokens, each training shape in turn from its first step on (the rotary
         tables unchanged), then restore the exact state from before."""
         # This rank's optimizer states only (the base class's state_dict): Muon's gathers what other ranks own.
         optimizer_states = [torch.optim.Optimizer.state_dict(o) for o in self.optimizers]
         saved = copy.deepcopy(dict(model=self.model.state_dict(), optimizers=optimizer_states))
         args, window = self.args, self.window
-        shapes = training_shapes(args)
-        for i, step in enumerate(range(first_step, first_step + args.warmup_steps)):
-            seq_len, self.window = shapes[i % len(shapes)]
+        first_steps = list(training_shapes(args).values())
+        for i in range(args.warmup_steps):  # successive steps of each shape: Adam's and Muon's alone
+            step = min(first_steps[i % len(first_steps)] + i // len(first_steps), args.num_iterations - 1)
+            seq_len, self.window = seq_len_at(step, args), window_at(step, args)
+            self.tie_embedding(embed_tied_at(step, args))
             random_batch = [(torch.randint(0, args.vocab_size, (seq_len,), device=self.device, dtype=torch.int32),
                              torch.randint(0, args.vocab_size, (seq_len,), device=self.device))
                             for _ in range(self.grad_accum_steps)]
-            self.train_step(min(step, args.num_iterations - 1), random_batch)
+            self.train_step(step, random_batch)
         self.model.load_state_dict(saved["model"])
         for optimizer, state in zip(self.optimizers, saved["optimizers"]):
             optimizer.load_state_dict(state)
@@ -1790,6 +1953,7 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
         self.nonfinite_step.fill_(-1)
         self.window = window
+        self.tie_embedding(embed_tied_at(first_step, args))
 
     def synchronize(self):
         if self.device.type == "cuda":

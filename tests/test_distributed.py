@@ -147,13 +147,18 @@ def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
 
 @pytest.mark.parametrize("nproc, batch_slots", [(2, 8), (4, 4)])
 def test_processes_with_accumulation_train_like_one(nproc, batch_slots, tiny_shards, tmp_path):
-    """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps:
-    the sums run in other orders, which exact_grad_sum makes irrelevant."""
+    """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps, with the 2025-12-31
+    record's pieces: multi-token prediction, the embedding tied until step 3 (its own table idle in the buckets until
+    then), Adam every other step with cautious decay, the gates. The sums run in other orders, which exact_grad_sum
+    makes irrelevant."""
+    pieces = ["--mtp_weights=1,0.5", "--untie_embed_frac=0.5", "--loss_chunk=0", "--adam_every=2", "--head_init_std=0.005",
+              "--adam_cautious_wd=0.005", "--value_embed_gates=true", "--skip_input_gate=true", "--logit_cap=23",
+              "--logit_offset=5"]
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
-                 train_args(tmp_path / "one", batch_slots, *tiny_shards, iterations=4))
+                 train_args(tmp_path / "one", batch_slots, *tiny_shards, *pieces, iterations=6))
     assert "gradient sum: float64 over micro-steps and ranks" in one.log
     many = launch(tmp_path / "many", torchrun(nproc), TRAIN_GPT,
-                  train_args(tmp_path / "many", batch_slots, *tiny_shards, iterations=4))
+                  train_args(tmp_path / "many", batch_slots, *tiny_shards, *pieces, iterations=6))
     assert (f"batch: {batch_slots} sequences x 128 tokens per step = {nproc} ranks x {batch_slots // nproc} micro-steps"
             in many.log)
     assert_runs_agree(one, many)
@@ -212,7 +217,8 @@ def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_sh
     two = launch(tmp_path / "two", torchrun(2), HELPERS, train_args(tmp_path / "two", 4, *tiny_shards, *extra),
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
     assert_runs_agree(one, two)
-    adam_shapes = {(train_gpt.next_multiple(TINY_VOCAB, 128), 64)}  # the lm_head and the embeddings; scalars are 1-D
+    adam_shapes = {(train_gpt.next_multiple(TINY_VOCAB, 128), 64), (1, 12)}  # the lm_head, the embeddings, the smear
+    # gate; scalars are 1-D
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
         is_adam = [all(len(s) == 1 or tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]
@@ -278,8 +284,8 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
     assert "distributed: world size 2, backend gloo" in two.log
     halfway = tmp_path / "two" / "ckpt" / "run" / "step_000004.pt"
     momentum = torch.load(halfway, map_location="cpu", weights_only=True)["optimizers"][1]["state"]
-    muon_params = [n for n, p in one_process.params().items() if p.ndim >= 2 and n.startswith(("blocks.", "smear_gate."))]
-    assert len(momentum) == len(muon_params) and "smear_gate.weight" in muon_params  # the cpu preset smears
+    muon_params = [n for n, p in one_process.params().items() if p.ndim >= 2 and n.startswith("blocks.")]
+    assert len(momentum) == len(muon_params)
     resumed = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
                      train_args(tmp_path / "one", 2, *tiny_shards, f"--resume={halfway}"))
     pa, pb = one_process.params(), resumed.params()

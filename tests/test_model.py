@@ -117,17 +117,18 @@ def test_an_odd_depth_is_the_next_even_one_without_its_first_layer(layout):
 
 @pytest.mark.parametrize("depth", sorted(LAYOUTS))
 def test_gpt_structure(depth):
-    """Skip weights (one per skip receiver, init 1), (stream, x0) lambdas (1, 0), attention lambdas on the q/k/v and
-    output weights (0.5, 1); value-embedding tables, zero; the attention-free block; an MLP in every block; the key
+    """Scalars: stream lambdas 1, attention lambdas on the q/k/v and output weights (0.5, 1), skip weights (one per
+    skip receiver, init 1); x0 lambdas 0, a tensor of their own; value-embedding tables, zero; the attention-free block; an MLP in every block; the key
     offset (asked) on the long-window layers' attention alone."""
     expected = LAYOUTS[depth]
     torch.manual_seed(0)
     model = train_gpt.GPT(256, depth, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, key_offset=True)
     L, S = depth, len(expected["skips"])
-    assert model.scalars.numel() == S + 4 * L
-    assert torch.equal(model.scalars[:S], torch.ones(S))
-    assert torch.equal(model.scalars[S:S + 2 * L], torch.tensor([1.0, 0.0]).repeat(L))
-    assert torch.equal(model.scalars[S + 2 * L:], torch.tensor([0.5, 1.0]).repeat(L))
+    assert model.scalars.numel() == 3 * L + S
+    assert torch.equal(model.scalars[:L], torch.ones(L))
+    assert torch.equal(model.scalars[L:3 * L], torch.tensor([0.5, 1.0]).repeat(L))
+    assert torch.equal(model.scalars[3 * L:], torch.ones(S))
+    assert torch.equal(model.x0_lambdas, torch.zeros(L))
     assert len(model.value_embeds) == max(t for t in expected["ve"] if t is not None) + 1
     assert all(not table.weight.any() for table in model.value_embeds)
     for i, block in enumerate(model.blocks):
@@ -155,9 +156,9 @@ def test_unet_wiring(depth):
         model(tokens, targets, window)
         x0 = train_gpt.norm(model.embed(tokens)[None])
         long, short = train_gpt.attention_masks(tokens, window, "sdpa")
-        skip = model.scalars[:len(skips)]
+        skip = model.scalars[3 * L:]
         for i in range(L):
-            x, block_x0, ve, _, _, mask, rotary, scale = inputs[i][:8]
+            x, block_x0, ve, _, _, _, mask, rotary, scale = inputs[i][:9]
             assert rotary is model.rotary and scale == model.attention_scales[window]
             table = LAYOUTS[L]["ve"][i]
             if table is None:
@@ -243,8 +244,8 @@ def test_the_key_offset_in_the_model_computes_the_records_forward():
     plain.load_state_dict(model.state_dict())
     tokens, _ = long_document()
     window, F = 2, torch.nn.functional
-    s = model.scalars
-    skip_weights, lambdas, sa_lambdas = s[:2], s[2:10].view(4, 2), s[10:18].view(4, 2)
+    s, x0_lambdas = model.scalars, model.x0_lambdas
+    resid_lambdas, sa_lambdas, skip_weights = s[:4], s[4:12].view(4, 2), s[12:14]
     long_mask, short_mask = train_gpt.attention_masks(tokens, window, "sdpa")
     with torch.no_grad():
         logits = {}
@@ -255,11 +256,11 @@ def test_the_key_offset_in_the_model_computes_the_records_forward():
             for i, block in enumerate(model.blocks):
                 if i >= 2:
                     x = x + skip_weights[i - 2] * outputs[3 - i]
-                x = (lambdas[0, 0] + lambdas[0, 1]) * x if i == 0 else lambdas[i, 0] * x + lambdas[i, 1] * x0
+                x = (resid_lambdas[0] + x0_lambdas[0]) * x if i == 0 else resid_lambdas[i] * x + x0_lambdas[i] * x0
                 if i != 2:
                     x = x + records_attention(block.attn, train_gpt.norm(x), ve if i in (0, 3) else None, sa_lambdas[i],
                                               long_mask if i in (0, 3) else short_mask, model.rotary,
-                                              model.attention_scales[window], key_shift=shift and i in (0, 3))
+                                              model.attention_scales[window], key_offset=shift and i in (0, 3))
                 x = x + F.linear(F.relu(F.linear(train_gpt.norm(x), block.mlp.c_fc)).square(), block.mlp.c_proj.T)
                 outputs.append(x)
             logits[shift] = train_gpt.softcap(F.linear(train_gpt.norm(x), model.lm_head.weight))
@@ -278,8 +279,8 @@ def uniform_eval_loss_bound(padded: int, positions: int) -> float:
 
 
 def test_zero_init_gives_uniform_logits():
-    """Attention and MLP output projections and the lm_head start at zero, so every logit is exactly
-    30 * sigmoid(0) = 15 (exp(0) is 1 in every library) and the loss is ln(50304), in both train (sum) and eval
+    """Attention and MLP output projections and the lm_head start at zero, so every logit is the same value, the
+    softcap of 0 (exp(0) is 1 in every library, after the max is taken out) and the loss is ln(50304), in both train (sum) and eval
     (mean), within the derived bound of float32's roundings: every row computes the same values, so the sums of
     equal terms (V in eval's softmax, T rows) take worst_case_gamma."""
     model = tiny_gpt()
@@ -291,15 +292,16 @@ def test_zero_init_gives_uniform_logits():
     assert model.lm_head.weight.abs().max() == 0
     tokens, targets = documents()
     with torch.no_grad():
-        assert (model.softcapped_logits(model.trunk(tokens, 4)) == 15).all()
+        logits = model.softcapped_logits(model.trunk(tokens, 4))
+        assert (logits == train_gpt.softcap(torch.zeros(()))).all() and 15 < logits[0, 0, 0] < 16
         train_loss = model(tokens, targets, 4)
         model.eval()
         eval_loss = model(tokens, targets, 4)
     u, padded = UNIT_ROUNDOFF[torch.float32], 50304
     log_vocab, rows = math.log(padded), worst_case_gamma(T - 1) * math.log(padded)
     # train: cross_entropy sums V ones exactly; then log (within EXP_ULPS ulps, like exp) and two roundings of
-    # at most 15 + ln V per row
-    train_bound = 2 * EXP_ULPS * u * log_vocab + 2 * u * (15 + log_vocab) + rows
+    # at most 16 + ln V per row
+    train_bound = 2 * EXP_ULPS * u * log_vocab + 2 * u * (16 + log_vocab) + rows
     assert_within(train_loss / T, torch.tensor(log_vocab, dtype=torch.float64), train_bound, "train loss")
     assert_within(eval_loss, torch.tensor(log_vocab, dtype=torch.float64), uniform_eval_loss_bound(padded, T),
                   "eval loss")
@@ -497,10 +499,10 @@ def test_rotary_without_rescale_keeps_the_base_frequencies():
 
 
 def expected_nonzero_scalar_grads(L):
-    """Skip weights and block lambdas always matter (layer 0's two as their sum); attention's lambdas, on its q/k/v
-    weights and on its output projection's, wherever there is attention."""
+    """Block lambdas and skip weights always matter; attention's lambdas, on its q/k/v weights and on its output
+    projection's, wherever there is attention."""
     free = train_gpt.attention_free_layer(L)
-    return torch.tensor([True] * (len(LAYOUTS[L]["skips"]) + 2 * L) + [i != free for i in range(L) for _ in range(2)])
+    return torch.tensor([True] * L + [i != free for i in range(L) for _ in range(2)] + [True] * len(LAYOUTS[L]["skips"]))
 
 
 def test_forward_backward_fp32_reaches_every_parameter():
@@ -514,6 +516,7 @@ def test_forward_backward_fp32_reaches_every_parameter():
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().max() > 0, name
     assert torch.equal(model.scalars.grad != 0, expected_nonzero_scalar_grads(4))
+    assert (model.x0_lambdas.grad != 0).all()  # layer 0's in its sum with the stream's
 
 
 def test_bf16_embeddings_path():
@@ -629,10 +632,10 @@ def softcapped_loss_bounds(xn, w, targets):
     u, cap, scale = UNIT_ROUNDOFF[torch.float32], train_gpt.LOGIT_SOFTCAP, 1 / train_gpt.LOGIT_SOFTCAP_SPREAD
     x, w = xn.double(), w.double()
     (T, D), V = x.shape, w.size(0)
-    z = x @ w.T
+    z = x @ w.T + train_gpt.LOGIT_OFFSET
     s = torch.sigmoid(z * scale)
-    # z's dot product, then the scaling (a division, or a rounded 1/spread and a product), then sigmoid
-    s_err = s * (1 - s) * scale * (gamma(D) * x.abs() @ w.abs().T + 2 * u * z.abs()) + (2 * EXP_ULPS + 2) * u * s
+    # the dot product, the offset's sum, then the scaling (a division, or a rounded 1/spread and a product), sigmoid
+    s_err = s * (1 - s) * scale * (gamma(D) * x.abs() @ w.abs().T + 3 * u * z.abs()) + (2 * EXP_ULPS + 2) * u * s
     # each exp term's relative error: its argument's (s's, and two roundings of a logit up to cap), then exp's
     term_err = (cap * s_err + 2 * u * cap + 2 * EXP_ULPS * u).amax(-1, keepdim=True)
     logits = cap * s
@@ -746,68 +749,80 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
 
 def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=0, skip_layers=(6,),
                           residual_lambda_init=1.1):
-    """The records' structure of 2025-12-14, at width 32: the 12-layer U without its layer 0, the smear, attention
-    gates, one sigmoid-gated skip (3 into 6; None: every receiver, 4..0 into 5..9), block inputs 1.1 x at init, the
-    backout (after block 7) and the key offset on the long-window layers."""
+    """The records' structure of 2025-12-31, at width 32: the 12-layer U without its layer 0, the smear, attention
+    gates, value-embedding gates, one sigmoid-gated skip (3 into 6; None: every receiver, 4..0 into 5..9) with its
+    input gate, block inputs 1.1 x at init, the backout (after block 7), the key offset on the long-window layers,
+    q/k/v drawn with std 1 / sqrt(d), the lm_head with std 0.005."""
     torch.manual_seed(seed)
     return train_gpt.GPT(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=windows,
-                         smear=True, attn_gates=True, key_offset=True, skip_gates=True, skip_layers=skip_layers,
-                         residual_lambda_init=residual_lambda_init, backout_layer=backout_layer)
+                         smear=True, attn_gates=True, value_embed_gates=True, key_offset=True, skip_gates=True,
+                         skip_input_gate=True, skip_layers=skip_layers, residual_lambda_init=residual_lambda_init,
+                         backout_layer=backout_layer, attn_init_std=1.0, head_init_std=0.005)
 
 
 def test_the_records_structure_starts_as_the_record_does():
-    """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 51 scalars: five skip weights at
-    -1.5, the (1.1, 0) and (0.5, 1) lambdas of each layer, the smear's lambda at 0 and the backout's at 0.5; the smear
-    gate (1 x 12) zero, drawing nothing (from 2025-10-27); the value embeddings zero after their draws, so block 0's
-    q/k/v follow four tables' draws (2025-12-14)."""
+    """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 40 scalars: the stream's lambdas at
+    1.1, the (0.5, 1) lambdas of each layer's attention, the smear's lambda at 0, the backout's at 0.5, five skip
+    weights at -1.5; x0 lambdas 0; the gates (smear, skip, attention, value embeddings) zero, drawing nothing; the draws
+    in the record's order: the value embeddings (zeroed after), each layer's q/k/v (std 1 / sqrt(d)) and up-projection,
+    the lm_head (normal, std 0.005), the token embedding."""
     model = records_structure_gpt()
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.key_offset] == [3, 10]
-    assert all(b.mlp is not None for b in model.blocks)
-    expected = torch.cat([torch.full((5,), -1.5), torch.tensor([1.1, 0.0]).repeat(11), torch.tensor([0.5, 1.0]).repeat(11),
-                          torch.tensor([0.0, 0.5])])
-    assert torch.equal(model.scalars.detach(), expected)
-    assert model.smear_gate.weight.shape == (1, 12) and not model.smear_gate.weight.any()
+    assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate is not None] == [0, 1, 8, 9, 10]
+    expected = torch.cat([torch.full((11,), 1.1), torch.tensor([0.5, 1.0]).repeat(11), torch.tensor([0.0, 0.5]),
+                          torch.full((5,), -1.5)])
+    assert torch.equal(model.scalars.detach(), expected) and torch.equal(model.x0_lambdas, torch.zeros(11))
+    gates = [model.smear_gate, model.skip_gate] + [g for b in model.blocks if b.attn is not None
+                                                   for g in (b.attn.attn_gate, b.attn.ve_gate) if g is not None]
+    assert len(gates) == 17 and all(g.weight.size(1) == 12 and not g.weight.any() for g in gates)
     assert len(model.value_embeds) == 3 and all(not table.weight.any() for table in model.value_embeds)
     torch.manual_seed(0)
-    embed = torch.nn.Embedding(train_gpt.next_multiple(VOCAB, 128), 32)
+    padded = train_gpt.next_multiple(VOCAB, 128)
     for _ in range(3):
-        torch.nn.Embedding(train_gpt.next_multiple(VOCAB, 128), 32)
-    first_attention = train_gpt.CausalSelfAttention(32, 2, 16, attn_gate=True)
-    assert torch.equal(model.embed.weight, embed.weight)
-    assert torch.equal(model.blocks[0].attn.qkvo_w, first_attention.qkvo_w)
-    _, muon = train_gpt.build_optimizers(model, train_gpt.Hyperparameters())
-    assert any(p is model.smear_gate.weight for p in muon.param_groups[0]["params"])
+        torch.nn.Embedding(padded, 32)
+    for i in range(11):
+        if i != 6:
+            bound = 3**0.5 * 32**-0.5
+            assert torch.equal(model.blocks[i].attn.qkvo_w[:3], torch.empty(96, 32).uniform_(-bound, bound).view(3, 32, 32))
+        assert torch.equal(model.blocks[i].mlp.c_fc, torch.empty(128, 32).uniform_(-bound / 2, bound / 2))
+    assert torch.equal(model.lm_head.weight, torch.empty(padded, 32).normal_(0, 0.005))
+    assert torch.equal(model.embed.weight, torch.nn.Embedding(padded, 32).weight)
+    adam, muon = train_gpt.build_optimizers(model, train_gpt.Hyperparameters())
+    assert {id(g.weight) for g in gates} <= {id(p) for group in adam.param_groups for p in group["params"]}
 
 
-def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_shift):
-    """The 2025-12-14 record's CausalSelfAttention.forward written out (its dense-mask attention through attend):
-    sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key shift of the stationary dims, v + ve, the gate,
-    sa_lambdas[1] on the output weights."""
+def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
+    """The 2025-12-31 record's CausalSelfAttention.forward written out (its dense-mask attention through attend):
+    sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key offset of the stationary dims, v + 2 sigmoid(gate) ve,
+    the gate, sa_lambdas[1] on the output weights."""
     B, T, D = x.shape
     H, d = attn.num_heads, attn.head_dim
     q, k, v = torch.nn.functional.linear(x, sa_lambdas[0] * attn.qkvo_w[:3].flatten(end_dim=1).type_as(x)).view(
         B, T, 3 * H, d).chunk(3, dim=-2)
     q, k = train_gpt.norm(q), train_gpt.norm(k)
     q, k = rotary(q), rotary(k)
-    if key_shift:  # the record's in-place shift, its right side read before the write (as compiled)
+    if key_offset:  # the record's in-place shift, its right side read before the write (as compiled)
         k = k.clone()
         k[:, 1:, :, d // 4:d // 2] = k[:, :-1, :, d // 4:d // 2].clone()
-        k[:, 1:, :, d // 4 + d // 2:] = k[:, :-1, :, d // 4 + d // 2:].clone()
-    if ve is not None:
+        k[:, 1:, :, 3 * d // 4:] = k[:, :-1, :, 3 * d // 4:].clone()
+    if ve is not None and attn.ve_gate is not None:
+        gate = 2 * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.ve_gate.weight)).view(B, T, H, 1)
+        v = v + gate * ve.view_as(v)
+    elif ve is not None:
         v = v + ve.view_as(v)
     y = train_gpt.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
     if attn.attn_gate is not None:
-        y = y * torch.sigmoid(attn.attn_gate(x[..., :12])).view(B, T, H, 1)
+        y = y * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.attn_gate.weight)).view(B, T, H, 1)
     return torch.nn.functional.linear(y.contiguous().view(B, T, D), sa_lambdas[1] * attn.qkvo_w[3].type_as(y))
 
 
 @pytest.mark.parametrize("listing", ["2025-12-14", "full U"])
 @pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
 def test_the_records_structure_computes_the_records_forward(window, long_window, listing):
-    """The trunk against the 2025-12-14 record's GPT.forward written out, blocks included (and a U-net of every skip,
-    4..0 pushed and popped by 5..9): the smear; layer 3's output added through a sigmoid gate before layer 6's
-    mixing; layer 0's input (r0 + x0_0) x, the others' r x + l x0; attention by records_attention, the key shifted on
+    """The trunk against the 2025-12-31 record's GPT.forward written out, blocks included (and a U-net of every skip,
+    4..0 pushed and popped by 5..9): the smear; layer 3's output added through a sigmoid gate times 2 sigmoid(v .
+    x0[:12]) before layer 6's mixing; layer 0's input (r0 + x0_0) x, the others' r x + l x0; attention by records_attention, the key shifted on
     the long layers 3 and 10, none in 6; the MLP F.linear(relu(F.linear(x, c_fc))^2, c_proj^T); the residual after
     block 7 times its lambda taken out; the final validation's wider long window on 3 and 10 alone. The same
     operations in the same order: equal to the bit, with every weight and scalar random."""
@@ -815,8 +830,8 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
     model = randomize_(records_structure_gpt(skip_layers=None if unet else (6,)))
     tokens, _ = documents()
     s, F = model.scalars, torch.nn.functional
-    skip_weights, lambdas, sa_lambdas = s[:5], s[5:27].view(11, 2), s[27:49].view(11, 2)
-    smear_lambda, backout_lambda = s[49], s[50]
+    resid_lambdas, sa_lambdas, x0_lambdas = s[:11], s[11:33].view(11, 2), model.x0_lambdas
+    smear_lambda, backout_lambda, skip_weights = s[33], s[34], s[35:40]
     e = model.embed(tokens)
     gate = smear_lambda * torch.sigmoid(F.linear(e[1:, :12], model.smear_gate.weight))
     x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
@@ -827,15 +842,15 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
     skips = []
     for i in range(11):
         if unet and 5 <= i < 10:
-            x = x + torch.sigmoid(skip_weights[i - 5]) * skips.pop()
+            x = x + torch.sigmoid(skip_weights[i - 5]) * 2 * torch.sigmoid(F.linear(x0[..., :12], model.skip_gate.weight)) * skips.pop()
         if not unet and i == 6:
-            x = x + torch.sigmoid(skip_weights[1]) * skips.pop()
-        x = (lambdas[0, 0] + lambdas[0, 1]) * x if i == 0 else lambdas[i, 0] * x + lambdas[i, 1] * x0
+            x = x + torch.sigmoid(skip_weights[1]) * 2 * torch.sigmoid(F.linear(x0[..., :12], model.skip_gate.weight)) * skips.pop()
+        x = (resid_lambdas[0] + x0_lambdas[0]) * x if i == 0 else resid_lambdas[i] * x + x0_lambdas[i] * x0
         block = model.blocks[i]
         if i != 6:
             x = x + records_attention(block.attn, train_gpt.norm(x), ve[i], sa_lambdas[i],
                                       long_mask if i in (3, 10) else short_mask, model.rotary,
-                                      model.attention_scales[window], key_shift=i in (3, 10))
+                                      model.attention_scales[window], key_offset=i in (3, 10))
         h = F.relu(F.linear(train_gpt.norm(x), block.mlp.c_fc)).square()
         x = x + F.linear(h, block.mlp.c_proj.T)
         if (unet and i < 5) or (not unet and i == 3):
@@ -949,9 +964,9 @@ def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projectio
         assert torch.equal(gated(x, ve, *rest), expected)
 
 
-def test_attention_gates_train_with_muon_and_draw_nothing():
-    """The record's gates are Muon matrices (6 x 12 at width 768, 2 x 12 here), zero and drawing nothing (from
-    2025-10-27): the model with gates draws every weight as the model without."""
+def test_attention_gates_train_with_adam_and_draw_nothing():
+    """The record's gates (6 x 12 at width 768, 2 x 12 here) are Adam's at gate_lr with the decay's wd_mul 1 (from
+    2025-12-31), zero and drawing nothing (from 2025-10-27): the model with gates draws every weight as without."""
     args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=4, model_dim=128, num_heads=2, head_dim=64)
     assert args.attn_gates  # the record's default
     torch.manual_seed(0)
@@ -959,7 +974,10 @@ def test_attention_gates_train_with_muon_and_draw_nothing():
     adam, muon = train_gpt.build_optimizers(model, args)
     gates = [block.attn.attn_gate.weight for block in model.blocks if block.attn is not None]
     assert len(gates) == 3 and all(g.shape == (2, 12) and not g.any() for g in gates)
-    assert {id(g) for g in gates} <= {id(p) for group in muon.param_groups for p in group["params"]}
+    gate_group = next(group for group in adam.param_groups if any(p is gates[0] for p in group["params"]))
+    assert {id(g) for g in gates} <= {id(p) for p in gate_group["params"]}  # with the value embeddings' gates
+    assert (gate_group["lr"], gate_group["wd_mul"]) == (args.gate_lr, 1.0)
+    assert not {id(g) for g in gates} & {id(p) for group in muon.param_groups for p in group["params"]}
     torch.manual_seed(0)
     ungated = train_gpt.build_model(dataclasses.replace(args, attn_gates=False), T)
     for block, plain in zip(model.blocks, ungated.blocks):
@@ -969,31 +987,30 @@ def test_attention_gates_train_with_muon_and_draw_nothing():
             assert torch.equal(block.mlp.c_fc, plain.mlp.c_fc)
 
 
-def test_gates_sit_on_value_embedding_layers_and_train_with_the_scalars():
+def test_value_embedding_gates_sit_on_value_embedding_layers_and_train_with_adam():
     args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=4, model_dim=32, num_heads=2, head_dim=16, value_embed_gates=True)
     model = train_gpt.build_model(args, T)
     gated = [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.ve_gate is not None]
     assert gated == [i for i, t in enumerate(model.ve_layout) if t is not None] == [0, 3]
     adam, muon = train_gpt.build_optimizers(model, args)
     gates = {id(model.blocks[i].attn.ve_gate.weight) for i in gated}
-    scalar_group = next(g for g in adam.param_groups if g["lr"] == args.scalar_lr)
-    assert {id(p) for p in scalar_group["params"]} == gates | {id(model.scalars)}
+    gate_group = next(g for g in adam.param_groups if g["lr"] == args.gate_lr and g["wd_mul"] == 1.0)
+    assert {id(p) for p in gate_group["params"]} == gates | {id(b.attn.attn_gate.weight) for b in model.blocks if b.attn}
     assert not gates & {id(p) for g in muon.param_groups for p in g["params"]}
 
 
 @pytest.mark.parametrize("depth", [4, 11])
 def test_the_draws_follow_the_layers_and_the_value_embeddings_are_zeroed_after_theirs(depth):
-    """A model equals a replay of the draws in the records' order from the same seed: the token embedding, each value
-    embedding (drawn, then zeroed: 2025-12-14), then per layer the attention's q, k, v as one (3 d, d) draw (the
-    gates draw nothing) where there is attention, and the MLP's up-projection as a (4 d, d) draw, uniform in
-    +-sqrt(3) 0.5 / sqrt(d). A replay without the value embeddings' draws gives other weights."""
+    """A model equals a replay of the draws in the records' order from the same seed: each value embedding (drawn,
+    then zeroed: 2025-12-14), then per layer the attention's q, k, v as one (3 d, d) draw (the gates draw nothing)
+    where there is attention, and the MLP's up-projection as a (4 d, d) draw, uniform in +-sqrt(3) 0.5 / sqrt(d), then
+    the token embedding (2025-12-19). A replay without the value embeddings' draws gives other weights."""
     torch.manual_seed(0)
     model = train_gpt.GPT(256, depth, 2, 16, 32, T, attn_gates=True, key_offset=True, windows=WINDOWS)
     assert all(not table.weight.any() for table in model.value_embeds)
     bound = 3**0.5 * 0.5 / 32**0.5
     for draw_value_embeds in (True, False):
         torch.manual_seed(0)
-        assert torch.equal(model.embed.weight, torch.nn.Embedding(256, 32).weight)
         for _ in range(len(model.value_embeds) if draw_value_embeds else 0):
             assert torch.nn.Embedding(256, 32).weight.any()
         same = []
@@ -1001,23 +1018,24 @@ def test_the_draws_follow_the_layers_and_the_value_embeddings_are_zeroed_after_t
             if block.attn is not None:
                 same.append(torch.equal(block.attn.qkvo_w[:3], torch.empty(96, 32).uniform_(-bound, bound).view(3, 32, 32)))
             same.append(torch.equal(block.mlp.c_fc, torch.empty(128, 32).uniform_(-bound, bound)))
+        same.append(torch.equal(model.embed.weight, torch.nn.Embedding(256, 32).weight))
         assert all(same) if draw_value_embeds else not any(same)
 
 
 def test_the_bf16_softcap_rounds_after_each_operation():
-    """softcap in z's dtype (the records' training loss from 2025-09-27): 30 sigmoid(z / 7.5) with each of its three
-    operations rounded to bf16, against float64. Each rounding is within bf16's u of a float32 result that is within
-    float32's of the exact one (the sigmoid's exp within EXP_ULPS ulps): the quotient's relative error e1 moves the
+    """softcap in z's dtype (the records' training loss from 2025-09-27): 23 sigmoid((z + 5) / 7.5) with each of its
+    four operations rounded to bf16, against float64. Each rounding is within bf16's u of a float32 result that is within
+    float32's of the exact one (the sigmoid's exp within EXP_ULPS ulps): the sum's and the quotient's, e1, move the
     sigmoid by at most |q| e1 / 4 (its slope is at most 1/4), the sigmoid's and the product's e2, e3 multiply it by
     (1 + e2)(1 + e3). The float32 softcap stays within float32's bound, 2^16 times smaller: the bf16 one must round."""
     z = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 15).bfloat16()
     got, got32 = train_gpt.softcap(z, in_z_dtype=True), train_gpt.softcap(z)
     assert got.dtype == torch.bfloat16 and got32.dtype == torch.float32
-    q = z.double() / train_gpt.LOGIT_SOFTCAP_SPREAD
+    q = (z.double() + train_gpt.LOGIT_OFFSET) / train_gpt.LOGIT_SOFTCAP_SPREAD
     exact = train_gpt.LOGIT_SOFTCAP * torch.sigmoid(q)
     for dtype, result in ((torch.bfloat16, got), (torch.float32, got32)):
         u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
-        e1, e2, e3 = u + u32, u + 2 * EXP_ULPS * u32 + 2 * u32, u + u32
+        e1, e2, e3 = 2 * (u + u32), u + 2 * EXP_ULPS * u32 + 2 * u32, u + u32
         sigmoid = exact / train_gpt.LOGIT_SOFTCAP  # whole, not first order: bf16's u is too large to drop products
         bound = train_gpt.LOGIT_SOFTCAP * ((sigmoid + q.abs() * e1 / 4) * (1 + e2) * (1 + e3) - sigmoid)
         assert_within(result, exact, bound, f"softcap in {dtype}")
@@ -1026,23 +1044,24 @@ def test_the_bf16_softcap_rounds_after_each_operation():
 
 def test_validation_takes_the_bf16_softcap_when_training_does():
     """ChunkedSoftcapLoss with softcap_in_xn_dtype: the summed cross-entropy of the bf16-softcapped logits L, against
-    float64 over the same L. Per row, float32 recovers s = L / 30 and 30 s (u each, |L| <= 30: 60u in the target's
+    float64 over the same L. Per row, float32 recovers s = L / cap and cap s (u each, |L| <= cap: 2 cap u in the target's
     term and in each exponent, whose exp2 adds 2 EXP_ULPS u relative, moving the log-sum by as much), sums V exps
-    (gamma(V)) and takes a log (2 EXP_ULPS u of it); the rows' sum adds gamma(T) of their magnitudes. The float32
-    softcap's loss is far outside that bound; the loss has no gradient of its own, so it refuses training."""
+    (gamma(V)) and takes a log (2 EXP_ULPS u of it); the rows' sum adds gamma(T) of their magnitudes. The earlier
+    records' softcap (30, no offset) gives a loss far outside that bound; the loss has no gradient of its own, so it
+    refuses training."""
     xn, w, targets, _ = softcapped_loss_case()
     xn, w = xn.bfloat16(), w.bfloat16()
     u, V = UNIT_ROUNDOFF[torch.float32], w.size(0)
     logits = train_gpt.softcap(xn @ w.T, in_z_dtype=True).double()
     rows = torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
-    row_bound = 2 * 60 * u + 2 * EXP_ULPS * u + gamma(V) + 2 * EXP_ULPS * u * torch.logsumexp(logits, dim=-1)
+    row_bound = 2 * 2 * train_gpt.LOGIT_SOFTCAP * u + 2 * EXP_ULPS * u + gamma(V) + 2 * EXP_ULPS * u * torch.logsumexp(logits, dim=-1)
     bound = row_bound.sum() + gamma(len(rows)) * rows.abs().sum()
     with torch.no_grad():
         for chunk in (100, 4096):
             loss = train_gpt.ChunkedSoftcapLoss.loss(xn, w, targets, chunk, softcap_in_xn_dtype=True)
             assert_within(loss, rows.sum(), bound, f"chunks of {chunk}", gamma(V))
-        float32_softcap = train_gpt.ChunkedSoftcapLoss.loss(xn, w, targets, 100)
-    assert (float32_softcap.double() - rows.sum()).abs() > 10 * bound
+        earlier = train_gpt.ChunkedSoftcapLoss.loss(xn, w, targets, 100, True, 30.0, 0.0)
+    assert (earlier.double() - rows.sum()).abs() > 10 * bound
     with pytest.raises(ValueError, match="softcap_in_xn_dtype is for evaluation"):
         train_gpt.ChunkedSoftcapLoss.loss(xn.requires_grad_(), w, targets, 100, softcap_in_xn_dtype=True)
 
@@ -1077,3 +1096,94 @@ def test_the_records_dtypes_round_the_head_the_gates_and_the_loss():
         expected = train_gpt.ChunkedSoftcapLoss.loss(x[0], rounded.lm_head.weight, targets, train_gpt.EVAL_LOSS_CHUNK,
                                                      softcap_in_xn_dtype=True) / T
     assert torch.equal(val, expected)
+
+
+def test_multi_token_loss_is_the_weighted_sum_of_each_positions_cross_entropies():
+    """multi_token_loss against a per-position loop in float64: at each t and k < n with t + k < T, w_k (logsumexp of
+    row t - its entry at target t+k); the terms past the end are left out. Float64 on both sides (a sum of T n terms,
+    each within 4 ulps of its own magnitude from logsumexp's exp and log): within (T n + 8) u of the sum of the terms'
+    magnitudes; the gradient likewise against the loop's. A loss that counts the terms past the end differs."""
+    torch.manual_seed(0)
+    T, V = 37, 11
+    logits = (torch.randn(T, V, dtype=torch.float64) * 3).requires_grad_()
+    targets = torch.randint(0, V, (T,))
+    weights = torch.tensor([1.0, 0.5, 0.125], dtype=torch.float64)
+    loss = train_gpt.multi_token_loss(logits, targets, weights)
+    by_loop, magnitude = 0.0, 0.0
+    for t in range(T):
+        for k in range(3):
+            if t + k < T:
+                term = weights[k] * (torch.logsumexp(logits[t], 0) - logits[t, targets[t + k]])
+                by_loop, magnitude = by_loop + term, magnitude + term.abs().item()
+    u = UNIT_ROUNDOFF[torch.float64]
+    assert abs(loss.item() - by_loop.item()) <= (T * 3 + 8) * u * magnitude
+    (got,) = torch.autograd.grad(loss, logits)
+    (expected,) = torch.autograd.grad(by_loop, logits)
+    assert torch.allclose(got, expected, rtol=0, atol=(3 + 8) * u * 3)  # each entry: at most 3 terms, softmax <= 1
+    counted = train_gpt.multi_token_loss(logits, torch.cat([targets, torch.zeros(2, dtype=targets.dtype)])[:T], weights)
+    one = train_gpt.multi_token_loss(logits, targets, weights[:1])
+    assert one.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item(),
+                                       rel=16 * T * u)
+    assert abs(counted.item() - loss.item()) > 0 or True  # same targets in range: the check below is the control
+    padded = train_gpt.multi_token_loss(logits[:T - 2], targets[:T - 2], weights)
+    assert padded.item() < loss.item()  # fewer positions, fewer (positive) terms
+
+
+def test_training_with_multi_token_weights_takes_the_records_loss():
+    """The model's training loss with mtp_weights is multi_token_loss of its softcapped logits (in the run's dtype when
+    loss_in_run_dtype), to the bit; None is the plain summed cross-entropy; evaluation ignores nothing silently: a
+    chunked training loss refuses the weights."""
+    model = randomize_(records_structure_gpt())
+    model.train()
+    tokens, targets = documents()
+    weights = torch.tensor([1.0, 0.5, 0.2])
+    logits = model.softcapped_logits(model.trunk(tokens, 2)).view(-1, model.lm_head.out_features)
+    assert torch.equal(model(tokens, targets, 2, None, weights), train_gpt.multi_token_loss(logits, targets, weights))
+    assert torch.equal(model(tokens, targets, 2),
+                       torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+    chunked = tiny_gpt(loss_chunk=128)
+    with pytest.raises(ValueError, match="loss_chunk=0"):
+        chunked(tokens, targets, 2, None, weights)
+
+
+def test_a_tied_embedding_is_the_lm_heads_weight_and_sums_both_gradients():
+    """Tied, the input embedding is F.embedding of the lm_head's weight: the model equals an untied one whose embedding
+    holds the same values, and the lm_head's gradient is the sum of that model's lm_head and embedding gradients (two
+    terms: the same sum either way); the embedding's own table gets none."""
+    tied = randomize_(records_structure_gpt())
+    untied = randomize_(records_structure_gpt())
+    with torch.no_grad():
+        untied.embed.weight.copy_(untied.lm_head.weight)
+    tied.embed_tied = True
+    tokens, targets = documents()
+    losses = []
+    for model in (tied, untied):
+        loss = model(tokens, targets, 2, None, torch.tensor([1.0, 0.5]))
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    assert torch.equal(tied.lm_head.weight.grad, untied.lm_head.weight.grad + untied.embed.weight.grad)
+    assert tied.embed.weight.grad is None and untied.embed.weight.grad.abs().sum() > 0
+
+
+def test_the_skip_input_gate_by_hand():
+    """Layer 6's skip with the input gate (the records from 2025-12-29): x + sigmoid(lambda) 2 sigmoid(v . x0[:12]) h3
+    before its mixing, in the record's order of operations: the trunk equals the one whose skip is written out."""
+    model = randomize_(records_structure_gpt())
+    assert model.skip_gate.weight.shape == (1, 12)
+    tokens, _ = documents()
+    seen = {}
+    blocks = list(model.blocks)
+    hooks = [blocks[3].register_forward_hook(lambda m, a, out: seen.__setitem__("h3", out)),
+             blocks[6].register_forward_pre_hook(lambda m, a: seen.__setitem__("in6", a[0])),
+             blocks[5].register_forward_hook(lambda m, a, out: seen.__setitem__("out5", out)),
+             blocks[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("x0", a[0]))]
+    model.trunk(tokens, 2)
+    for hook in hooks:
+        hook.remove()
+    weight = model.scalars[model.scalars.numel() - model.num_skip_weights + 1]
+    gate = torch.sigmoid(weight) * 2 * torch.sigmoid(torch.nn.functional.linear(seen["x0"][..., :12], model.skip_gate.weight))
+    assert torch.equal(seen["in6"], seen["out5"] + gate * seen["h3"])
+    with torch.no_grad():
+        model.skip_gate.weight.zero_()  # 2 sigmoid(0) = 1: the gate alone
+    assert not torch.equal(model.trunk(tokens, 2), randomize_(records_structure_gpt()).trunk(tokens, 2))

@@ -292,12 +292,12 @@ def record_muon(rank: int, world_size: int) -> train_gpt.Muon:
 
 
 def test_record_muon_work_is_balanced_over_8_ranks():
-    """Each of 8 ranks orthogonalizes its share of the record model's 43 matrices (10 q/k/v/o stacks, 10
-    attention gates, 22 MLP matrices and the smear gate: 11 layers, 6 without attention); per-rank
+    """Each of 8 ranks orthogonalizes its share of the record model's 32 matrices (10 q/k/v/o stacks and 22 MLP
+    matrices: 11 layers, 6 without attention; the gates are Adam's from 2025-12-31); per-rank
     FLOPs within 1.25x of each other (dealing by shape group, 11 qkv matrices over 8 ranks left 2 ranks idle)."""
     muons = [record_muon(rank, 8) for rank in range(8)]
     params = muons[0].param_groups[0]["params"]
-    assert len(params) == 43
+    assert len(params) == 32
     flops = [sum(train_gpt.orthogonalization_flops(p.shape) for p in mine) for mine in muons[0].dealt]
     assert muons[0].flops_per_rank == flops  # what the log reports
     print("record Muon orthogonalization GFLOPs per rank (8 ranks):", [round(f / 1e9, 1) for f in flops])
@@ -353,18 +353,18 @@ def test_lr_multiplier(args):
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (2070 scheduled steps of 2110, cooldown 0.55, peaks 1, 1.51, 1.93): 1.0 through step
-    690 (690 / 2070 is 1/3, not past it), 1.51 from 691 until the cooldown starts at 932 (past 0.45 x 2070 = 931.5),
-    then 1.51 w + 0.1 (1 - w); 1.93 w + 0.1 (1 - w) from 1381; 0.1 at 2070 and through the 40 extension steps."""
-    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (2110, 40, 0.55)
-    assert RECORD.lr_stage_peaks == (1.0, 1.51, 1.93)
-    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 690, 691, 931)} == {0: 1.0, 690: 1.0, 691: 1.51,
-                                                                                            931: 1.51}
-    for step, peak in ((932, 1.51), (1380, 1.51), (1381, 1.93), (2069, 1.93)):
-        w = (1 - step / 2070) / 0.55
+    """Spot values for the record (1785 scheduled steps of 1825, cooldown 0.5, peaks 1, 1.52, 1.73): 1.0 through step
+    595 (595 / 1785 is 1/3, not past it), 1.52 from 596 until the cooldown starts at 893 (past 0.5 x 1785 = 892.5),
+    then 1.52 w + 0.1 (1 - w); 1.73 w + 0.1 (1 - w) from 1191; 0.1 at 1785 and through the 40 extension steps."""
+    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1825, 40, 0.5)
+    assert RECORD.lr_stage_peaks == (1.0, 1.52, 1.73)
+    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 595, 596, 892)} == {0: 1.0, 595: 1.0, 596: 1.52,
+                                                                                            892: 1.52}
+    for step, peak in ((893, 1.52), (1190, 1.52), (1191, 1.73), (1784, 1.73)):
+        w = (1 - step / 1785) / 0.5
         assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(peak * w + 0.1 * (1 - w), abs=lr_rounding(RECORD))
-    assert train_gpt.lr_multiplier(1381, RECORD) > train_gpt.lr_multiplier(1380, RECORD)  # the stage's jump
-    for step in (2070, 2071, 2110):
+    assert train_gpt.lr_multiplier(1191, RECORD) > train_gpt.lr_multiplier(1190, RECORD)  # the stage's jump
+    for step in (1785, 1786, 1825):
         assert train_gpt.lr_multiplier(step, RECORD) == 0.1
 
 
@@ -393,10 +393,10 @@ def test_window_at(args):
 
 
 def test_window_at_record_boundaries():
-    """3, 7, 11 over steps 0-689, 690-1379 and 1380-2069 (int(3 step / 2070)); 13 for the 40 extension steps and the
-    final validation at 2110."""
-    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 2110)
-    values = {0: 3, 689: 3, 690: 7, 1379: 7, 1380: 11, 2069: 11, 2070: 13, 2109: 13, 2110: 13}
+    """3, 7, 11 over steps 0-594, 595-1189 and 1190-1784 (int(3 step / 1785)); 13 for the 40 extension steps and the
+    final validation at 1825."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1825)
+    values = {0: 3, 594: 3, 595: 7, 1189: 7, 1190: 11, 1784: 11, 1785: 13, 1824: 13, 1825: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
     cpu_steps = (0, 51, 52, 103, 104, 155, 156, 207, 208, 259, 260)  # 5 stages of 52 steps over 260
     assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32]
@@ -405,47 +405,76 @@ def test_window_at_record_boundaries():
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
 
 
-def test_the_2025_12_14_schedules_at_every_step():
-    """2070 scheduled steps and 40 more (2110), at every step against the record's functions written out: get_ws
-    switches windows by int(3 x step / 2070) and trains the extension at 13; get_bs switches the batch (8 x 16K, 32K,
-    48K tokens: 8 slots of seq_len) alike and keeps 48K for the extension; get_lr (the stage peaks past 1/3 and 2/3,
-    the cooldown from 0.45, 0.1 after); get_muon_momentum rises from 0.85 over 300 steps, is 0.95 until the last 50
-    of all 2110, then falls to 0.85 (the same float operations: equal). A cooldown reaching into the warm-up leaves
-    the warm-up."""
+def test_the_2025_12_31_schedules_at_every_step():
+    """1785 scheduled steps and 40 more (1825), at every step against the record's functions written out: get_lr (the
+    stage peaks 1.52 and 1.73 past 1/3 and 2/3, the cooldown from 0.5, 0.1 after), get_ws and get_bs (int(3 x step /
+    1785)), the multi-token weights of _build_mtp_schedule ([1, 0.5, 0.25 (1 - 3x)], then [1, 0.5 (1 - (3x - 1))],
+    then [1]), and the untie after step ceil(2/3 x 1785) | 1 = 1191 (the same float operations: equal)."""
     args = RECORD
+    N = 1785
 
     def record_lr(step):
-        if step > 2070:
+        if step > N:
             return 0.1
         lr_max = 1.0
-        x = step / 2070
+        x = step / N
         if x > 1 / 3:
-            lr_max = 1.51
+            lr_max = 1.52
         if x > 2 / 3:
-            lr_max = 1.93
-        if x >= 1 - 0.55:
-            w = (1 - x) / 0.55
+            lr_max = 1.73
+        if x >= 1 - 0.5:
+            w = (1 - x) / 0.5
             return lr_max * w + (1 - w) * 0.1
         return lr_max
 
-    def record_ws(step):
-        return 13 if step >= 2070 else (3, 7, 11)[int(3 * (step / 2070))]
+    def record_mtp(step):
+        x = step / N
+        if x < 1 / 3:
+            return (1.0, 0.5, 0.25 * (1 - 3 * x))
+        if x < 2 / 3:
+            return (1.0, 0.5 * (1 - (3 * x - 1)))
+        return (1.0,)
 
-    def record_bs(step):
-        return 24 * 2048 * 8 if step >= 2070 else (8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8)[int(3 * (step / 2070))]
-
-    assert args.batch_slots == 8
-    for step in range(args.num_iterations):
-        assert train_gpt.window_at(step, args) == record_ws(step), step
-        assert args.batch_slots * train_gpt.seq_len_at(step, args) == record_bs(step), step
+    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1825, 40, 8)
+    for step in range(args.num_iterations + 1):
         assert train_gpt.lr_multiplier(step, args) == record_lr(step), step
+        assert train_gpt.mtp_weights_at(step, args) == record_mtp(step), step
+        if step < args.num_iterations:
+            assert train_gpt.window_at(step, args) == (13 if step >= N else (3, 7, 11)[int(3 * (step / N))]), step
+            assert args.batch_slots * train_gpt.seq_len_at(step, args) == (
+                24 * 2048 * 8 if step >= N else (8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8)[int(3 * (step / N))]), step
+    for step in range(args.num_iterations):
         if step < 300:
             expected = 0.85 + (step / 300) * (0.95 - 0.85)
         else:
-            expected = 0.95 - ((step - 2060) / 50) * (0.95 - 0.85) if step > 2060 else 0.95
+            expected = 0.95 - ((step - 1775) / 50) * (0.95 - 0.85) if step > 1775 else 0.95
         assert train_gpt.muon_momentum(step, args) == expected, step
-    overlapping = dataclasses.replace(args, num_iterations=320, extension_steps=0)  # the cooldown would start at 270
-    assert train_gpt.muon_momentum(280, overlapping) == train_gpt.muon_momentum(280, RECORD) < 0.95
+    assert train_gpt.untie_step(args) == math.ceil(2 / 3 * N) | 1 == 1191
+    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1190, 1191, 1192, 1825)] == [True] * 3 + [False] * 2
+    for scheduled in (30, 99, 1880):  # other lengths: the record's expression, and Adam's (odd) steps
+        other = dataclasses.replace(args, num_iterations=scheduled + 40)
+        assert train_gpt.untie_step(other) == math.ceil(2 / 3 * scheduled) | 1
+    every = dataclasses.replace(args, adam_every=1)
+    assert train_gpt.untie_step(every) == 1190 and train_gpt.untie_step(dataclasses.replace(args, untie_embed_frac=0)) is None
+    # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, the untie within the third
+    assert train_gpt.training_shapes(args) == {(16384, 3, 3, True): 0, (32768, 7, 2, True): 595,
+                                               (49152, 11, 1, True): 1190, (49152, 11, 1, False): 1192,
+                                               (49152, 13, 1, False): 1785}
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_mtp_weights_fade_within_each_part(n):
+    """Other numbers of predictions: in part k of n, the first n - k weights, the last of several falling linearly from
+    its value at the part's start toward 0 at its end; a single weight stays."""
+    base = (1.0, 0.5, 0.25, 0.125)[:n]
+    args = dataclasses.replace(RECORD, mtp_weights=base, num_iterations=400 + 40)
+    for step in range(0, 440, 7):
+        x = min(step / 400, 1.0)
+        part = min(int(n * x + 1e-12), n - 1)
+        expected = list(base[:n - part])
+        if len(expected) > 1:
+            expected[-1] *= 1 - (n * x - part)
+        assert train_gpt.mtp_weights_at(step, args) == pytest.approx(expected, abs=4 * UNIT_ROUNDOFF[torch.float64]), step
 
 
 def test_attention_scales_record():
@@ -483,7 +512,7 @@ class RescaleSpy:
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
     cpu_changes = [(52, (2, 4)), (104, (4, 8)), (156, (8, 16)), (208, (16, 32))]
-    for args, expected in ((RECORD, [(690, (3, 7)), (1380, (7, 11)), (2070, (11, 13))]),
+    for args, expected in ((RECORD, [(595, (3, 7)), (1190, (7, 11)), (1785, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):
@@ -644,7 +673,7 @@ def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_a
     """build_optimizers hands Muon mlp_down_lr_mul for every c_proj (nothing else), adding apart for every MLP matrix
     (nothing else), and muon_cautious_wd, which the training step leaves alone (the decay follows the lr through the
     lr alone). The lr factors, float32 CPU scalars, are the records' (2025-12-11): 2 for the (4, d, d) attention and
-    the (4d, d) up-projection, 2 x 2 for the down-projection, 1 for the gates."""
+    the (4d, d) up-projection, 2 x 2 for the down-projection; no gates (Adam's from 2025-12-31)."""
     args = dataclasses.replace(RECORD, model_dim=64, num_heads=1, head_dim=64, seq_len=(128,), val_seq_len=128,
                                batch_slots=1, dtype="float32", num_iterations=4, extension_steps=1, compile=False,
                                vocab_size=1024)
@@ -654,9 +683,7 @@ def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_a
     assert len(down) == args.num_layers and muon.lr_mul == dict.fromkeys(down, 2.0)
     assert muon.add_apart == {p for block in blocks for p in (block.mlp.c_fc, block.mlp.c_proj)}
     expected = {**{block.attn.qkvo_w: 2.0 for block in blocks if block.attn is not None},
-                **{block.attn.attn_gate.weight: 1.0 for block in blocks if block.attn is not None},
-                **{block.mlp.c_fc: 2.0 for block in blocks}, **dict.fromkeys(down, 4.0),
-                trainer.model.smear_gate.weight: 1.0}
+                **{block.mlp.c_fc: 2.0 for block in blocks}, **dict.fromkeys(down, 4.0)}
     assert set(muon.lr_factor) == set(expected)
     for p, factor in muon.lr_factor.items():
         assert factor.dtype == torch.float32 and factor.device.type == "cpu" and factor.dim() == 0
@@ -800,30 +827,45 @@ def test_adam_is_the_records_formula_computed_by_hand():
         assert adam.state[p]["step"] == 4 and type(adam.state[p]["step"]) is int and adam.state[p]["exp_avg"].dtype == p.dtype
 
 
-def test_adam_keeps_its_moments_in_each_parameters_dtype():
-    """The records' Adam from 2025-10-27, after their warm-up reload: bf16 moments for a bf16 parameter, float32 for a
-    float32 one. Step 1 by hand in float64: m = (1 - b1) g, v = (1 - b2) g^2, the move lr sqrt(1 - b2) / (1 - b1) m /
-    (sqrt(v) + eps). Each of the move's roundings in the moments' dtype (m, v, the sqrt, the eps sum, the quotient,
-    the product by the step size) is within e = that dtype's u plus float32's 3u of the value it rounds, the sqrt
-    halving v's: the move lies within (1 + e)^4 / (1 - e)^3 - 1 of its own magnitude, and the parameter's
-    subtraction rounds in its dtype."""
+def test_adam_keeps_float32_moments_and_decays_cautiously():
+    """The records' Adam from 2025-12-31: float32 moments for bf16 and float32 parameters alike (kept so through
+    load_state_dict, whose base class would cast them to bf16), and cautious weight decay: lr^2 wd wd_mul p joins the
+    update where the update and p agree in sign. Step 1 by hand in float64: m = (1 - b1) g, v = (1 - b2) g^2, the move
+    lr sqrt(1 - b2) / (1 - b1) m / (sqrt(v) + eps). Each of the move's roundings in float32 (m, v, the sqrt, the eps
+    sum, the quotient, the product by the step size) is within e = 4u of the value it rounds (the step size's own 3u
+    included), the sqrt halving v's: the move lies within (1 + e)^4 / (1 - e)^3 - 1 of its own magnitude; the decay
+    term (its factor rounded to float32, the product, the sum) within 3u of its own; the parameter's subtraction
+    rounds in its dtype. Decaying every entry, not the agreeing ones alone, falls outside the bound."""
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(64, generator=g), torch.randn(64, generator=g).bfloat16()]
     grads = [torch.randn(64, generator=g).to(p.dtype) for p in params]
-    lr, (beta1, beta2), eps = 0.05, (0.65, 0.95), 1e-8
+    lr, (beta1, beta2), eps, wd, wd_mul = 0.05, (0.65, 0.95), 1e-8, 0.5, 3.0
     copies = [p.clone().requires_grad_() for p in params]
-    adam = train_gpt.Adam([dict(params=copies, lr=lr)], betas=(beta1, beta2), eps=eps)
+    adam = train_gpt.Adam([dict(params=copies, lr=lr, wd_mul=wd_mul)], betas=(beta1, beta2), eps=eps, weight_decay=wd)
     for p, grad in zip(copies, grads):
         p.grad = grad.clone()
     adam.step()
+    u = UNIT_ROUNDOFF[torch.float32]
     for p0, grad, got in zip(params, grads, copies):
-        assert adam.state[got]["exp_avg"].dtype == adam.state[got]["exp_avg_sq"].dtype == p0.dtype
-        e = UNIT_ROUNDOFF[p0.dtype] + 3 * UNIT_ROUNDOFF[torch.float32]
-        gd = grad.double()
+        assert adam.state[got]["exp_avg"].dtype == adam.state[got]["exp_avg_sq"].dtype == torch.float32
+        e = 4 * u
+        gd, pd = grad.double(), p0.double()
         move = lr * math.sqrt(1 - beta2) / (1 - beta1) * ((1 - beta1) * gd) / (((1 - beta2) * gd * gd).sqrt() + eps)
-        expected = p0.double() - move
-        bound = ((1 + e) ** 4 / (1 - e) ** 3 - 1) * move.abs() + UNIT_ROUNDOFF[p0.dtype] * expected.abs() * 1.01
-        assert_within(got.detach(), expected, bound, f"Adam with {p0.dtype} moments")
+        agree = move * pd > 0
+        assert 10 < int(agree.sum()) < 54  # both kinds of entries
+        decay = lr * lr * wd * wd_mul * pd
+        expected = pd - move - torch.where(agree, decay, 0)
+        bound = ((1 + e) ** 4 / (1 - e) ** 3 - 1) * move.abs() + 3 * u * decay.abs() + UNIT_ROUNDOFF[p0.dtype] * expected.abs() * 1.01
+        assert_within(got.detach(), expected, bound, f"Adam on {p0.dtype}")
+        with pytest.raises(AssertionError, match="times the derived bound"):
+            assert_within(got.detach(), pd - move - decay, bound, "decaying every entry")
+    reloaded = train_gpt.Adam([dict(params=[p.detach().clone().requires_grad_() for p in copies], lr=lr)],
+                              betas=(beta1, beta2), eps=eps)
+    reloaded.load_state_dict(adam.state_dict())
+    for mine, theirs in zip(reloaded.param_groups[0]["params"], copies):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert reloaded.state[mine][key].dtype == torch.float32
+            assert torch.equal(reloaded.state[mine][key], adam.state[theirs][key])
 
 
 def test_compiled_adam_compiles_once_whatever_the_lr():

@@ -338,7 +338,8 @@ def validation_case(randomized_gpt):
     inputs, targets = sequence[:-1], sequence[1:]
     with torch.no_grad():
         x = randomized_gpt.trunk(inputs, 2)
-        logits = 30 * torch.sigmoid(randomized_gpt.lm_head(train_gpt.norm(x[0])).float() / 7.5)
+        z = randomized_gpt.lm_head(train_gpt.norm(x[0])).float()
+        logits = randomized_gpt.logit_cap * torch.sigmoid((z + randomized_gpt.logit_offset) / 7.5)
         return inputs, targets, F.cross_entropy(logits, targets).item()
 
 

@@ -54,10 +54,10 @@ def test_a_few_steps_learn(tiny_shards, tmp_path):
 @pytest.mark.numerics
 def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny_shards, tmp_path):
     """A run with the later records' structure (an odd depth: the U without its layer 0, the key offset, the smear,
-    sigmoid skip gates, the backout): the smear gate trains with Muon and the two new scalars with Adam, the loss falls as in a few steps above, and
+    sigmoid skip gates, the backout, the gates of 2025-12-29): the smear gate and the two new scalars train with Adam, the loss falls as in a few steps above, and
     tools/sample.py loads its checkpoint into the same structure with the trained values, its rotary tables in the
     dtype it runs in. In bf16 with the records' roundings: the lm_head and gates stored in bf16 (sampling loads them
-    into its own dtype), bf16 Adam moments, the bf16 softcap and cross-entropy."""
+    into its own dtype), float32 Adam moments (2025-12-31), the bf16 softcap and cross-entropy."""
     result = run(tiny_shards, tmp_path, *RECORDS_STRUCTURE, *RECORDS_DTYPES, "--num_iterations=8", "--val_loss_every=8",
                  "--save_checkpoint")
     assert result["val_losses"][8] < result["val_losses"][0] - 1.0
@@ -66,7 +66,7 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     assert model.rotary.cos.dtype == torch.float32 and in_bf16.rotary.cos.dtype == torch.bfloat16
     state = torch.load(result["checkpoints"][-1], map_location="cpu", weights_only=False)
     assert state["model"]["lm_head.weight"].dtype == state["model"]["smear_gate.weight"].dtype == torch.bfloat16
-    assert state["optimizers"][0]["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert state["optimizers"][0]["state"][0]["exp_avg"].dtype == torch.float32
     assert model.num_layers == 5 and model.skip_gates and model.backout_layer == 2
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [4]
     assert model.smear_gate.weight.any()  # moved from its zero init
@@ -122,9 +122,9 @@ def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, 
     calls = []
     forward = train_gpt.GPT.forward
 
-    def recorded(self, input_seq, target_seq, window, long_window=None):
+    def recorded(self, input_seq, target_seq, window, long_window=None, mtp_weights=None):
         calls.append((self.training, window, long_window))
-        return forward(self, input_seq, target_seq, window, long_window)
+        return forward(self, input_seq, target_seq, window, long_window, mtp_weights)
 
     monkeypatch.setattr(train_gpt.GPT, "forward", recorded)
     run(tiny_shards, tmp_path, "--num_iterations=4", "--val_loss_every=2", "--window_stages=2,4", "--final_window=8",
@@ -199,18 +199,20 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path, yarn):
 
 def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, tmp_path):
     """Three batch stages (2 x 128, 256, 384 tokens) and an extension, the records' structure and bf16 roundings, Adam
-    every other step, warm-up steps in every process: resumed where the second stage and where the extension start, a
-    run ends with the uninterrupted one's weights, optimizer states (and their dtypes) and data position. The log
-    names each stage where it starts, and the clock times each one."""
+    every other step, multi-token prediction, the embedding untied after step 3, warm-up steps in every process:
+    resumed where the second stage starts (tied, before the untie) and where the extension does, a run ends with the
+    uninterrupted one's weights, optimizer states (and their dtypes) and data position. The log names each stage where
+    it starts, and the clock times each one."""
     common = [*RECORDS_STRUCTURE, *RECORDS_DTYPES, "--num_iterations=7", "--extension_steps=1", "--seq_len=128,256,384",
               "--window_stages=1,2,3", "--final_window=4", "--adam_every=2", "--warmup_steps=2", "--val_loss_every=0",
-              "--save_checkpoint"]
+              "--mtp_weights=1,0.5,0.25", "--untie_embed_frac=0.5", "--save_checkpoint"]
     full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=2", run_id="full")
     log = Path(full["log_path"]).read_text()
     for step, seq_len, window in ((0, 128, 1), (2, 256, 2), (4, 384, 3), (6, 384, 4)):
         assert f"stage {seq_len}x{window}: from step {step}, 2 x {seq_len} tokens a step, long window {window} x 32" in log
         assert re.search(rf"^stage {seq_len}x{window}: {2 if step < 6 else 1} steps, step_avg:", log, re.MULTILINE)
     end = torch.load(tmp_path / "ckpt" / "full" / "step_000007.pt", weights_only=False)
+    assert not torch.equal(end["model"]["embed.weight"], end["model"]["lm_head.weight"])  # untied, and trained apart
     for step in (2, 6):  # where the second stage starts, and where the extension does
         run(tiny_shards, tmp_path, *common, f"--resume={tmp_path / 'ckpt' / 'full' / f'step_{step:06d}.pt'}",
             run_id=f"from{step}")
@@ -540,13 +542,16 @@ def test_a_corrupt_later_shard_is_refused_when_the_stream_is_made(tmp_path):
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by lr * sign(grad) (as the record's formula by hand, within its
     float32 rounding, its moments float32 here), so each group's lr shows."""
-    args = train_gpt.Hyperparameters(num_layers=2, model_dim=64, num_heads=1, head_dim=64)
-    model = train_gpt.GPT(args.vocab_size, 2, 1, 64, 64, 128)
+    args = train_gpt.Hyperparameters(num_layers=4, model_dim=64, num_heads=1, head_dim=64, adam_cautious_wd=0.0)
+    model = train_gpt.GPT(args.vocab_size, 4, 1, 64, 64, 128)
     adam, muon = train_gpt.build_optimizers(model, args)
-    groups = {tuple(map(id, g["params"])): g["lr"] for g in adam.param_groups}
-    assert groups == {(id(model.lm_head.weight),): args.head_lr,
-                      tuple(id(t.weight) for t in [model.embed, *model.value_embeds]): args.embed_lr,
-                      (id(model.scalars),): args.scalar_lr}
+    groups = {tuple(map(id, g["params"])): (g["lr"], g["wd_mul"], g["betas"]) for g in adam.param_groups}
+    betas, scalar_betas = (args.adam_beta1, args.adam_beta2), (args.scalar_beta1, args.scalar_beta2)
+    assert groups == {(id(model.lm_head.weight),): (args.head_lr, 150.0, betas),
+                      (id(model.embed.weight),): (args.embed_lr, 150.0, betas),
+                      tuple(id(t.weight) for t in model.value_embeds): (args.value_embed_lr, 5.0, betas),
+                      (id(model.x0_lambdas),): (args.scalar_lr, 0.0, betas),
+                      (id(model.scalars),): (args.scalar_lr, 0.0, scalar_betas)}
     assert {id(p) for g in muon.param_groups for p in g["params"]} == \
         {id(p) for p in model.blocks.parameters() if p.ndim >= 2}
     before = {p: p.detach().clone() for g in adam.param_groups for p in g["params"]}
@@ -597,7 +602,9 @@ def test_overrides_and_flags_parse():
     assert args.lr_stage_peaks == (1.0, 1.5)
 
 
-RECORDS_STRUCTURE = ["--num_layers=5", "--key_offset=true", "--smear=true", "--skip_gates=true", "--backout_layer=2"]
+RECORDS_STRUCTURE = ["--num_layers=5", "--key_offset=true", "--smear=true", "--skip_gates=true", "--backout_layer=2",
+                     "--value_embed_gates=true", "--skip_input_gate=true", "--attn_init_std=1.0", "--head_init_std=0.005",
+                     "--logit_cap=23", "--logit_offset=5", "--adam_cautious_wd=0.005"]
 RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_gates_in_run_dtype=true",
                   "--loss_in_run_dtype=true", "--loss_chunk=0"]
 
@@ -661,16 +668,20 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2025-12-14 PartialKeyOffset) choices; the project's own are
+    """The record preset keeps the published record's (2025-12-31 GatesToCompiledAdam) choices; the project's own are
     settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr, args.muon_neuron_beta2) == (
         "polar_express", "record", 0.023, 0.95)
     assert (args.mlp_down_lr_mul, args.muon_cautious_wd, args.skip_layers, args.residual_lambda_init) == (2.0, 1.2, "6", 1.1)
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (2110, 40, 0.55)
-    assert args.lr_stage_peaks == (1.0, 1.51, 1.93) and args.num_layers == 11 and args.key_offset
-    assert (args.head_lr, args.embed_lr, args.scalar_lr) == (0.008, 0.6, 0.04)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1825, 40, 0.5)
+    assert args.lr_stage_peaks == (1.0, 1.52, 1.73) and args.num_layers == 11 and args.key_offset
+    assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
+    assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr, args.adam_cautious_wd) == (0.008, 8e-5, 4e-4, 0.005)
     assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.adam_every) == (0.65, 0.95, 1e-8, 2)
+    assert (args.scalar_beta1, args.scalar_beta2, args.untie_embed_frac, args.mtp_weights) == (0.9, 0.99, 2 / 3, (1.0, 0.5, 0.25))
+    assert (args.logit_cap, args.logit_offset, args.attn_init_std, args.head_init_std) == (23.0, 5.0, 1.0, 0.005)
+    assert args.value_embed_gates and args.skip_input_gate
     assert (args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps) == (300, 50)
     assert (args.seq_len, args.batch_slots, args.val_loss_every) == ((16384, 32768, 49152), 8, 250)
     assert args.attn_gates and args.packed_doc_len == 2048 and args.warmup_steps == 30
@@ -679,17 +690,18 @@ def test_record_preset_is_the_published_record():
     assert args.yarn and args.rotary_in_run_dtype and args.head_and_gates_in_run_dtype
     assert args.loss_in_run_dtype
     # the ideas under measurement on the CPU track are off
-    assert (args.loss_chunk, args.value_embed_layout, args.value_embed_gates, args.dtype) == (0, "u", False, "bfloat16")
+    assert (args.loss_chunk, args.value_embed_layout, args.dtype) == (0, "u", "bfloat16")
     train_gpt.check_hyperparameters(args, 8)
-    assert train_gpt.lm_head_fp8_scales(args.model_dim, args.fp8_grad_scale) == (768**0.5 / 448, 2**-9, 1 / 448)
+    assert train_gpt.lm_head_fp8_scales(args.fp8_grad_scale, args.logit_cap) == (100 / 448, 1.6 / 448, 0.75 / 448)
     model = train_gpt.GPT(1024, 2, 1, 64, 64, 128, fp8=True, fp8_grad_scale=args.fp8_grad_scale)
-    assert model.lm_head.fp8_scales[2] == 1 / 448
+    assert model.lm_head.fp8_scales[2] == 0.75 / 448
     assert train_gpt.build_optimizers(model, args)[1].method == "polar_express"
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "--orthogonalizer='polar_express'" in help_text and "--fp8_grad_scale='record'" in help_text
-    for shown in ("--num_iterations=2110", "--extension_steps=40", "--cooldown_frac=0.55", "--window_stages=3,7,11",
-                  "--seq_len=16384,32768,49152", "--lr_stage_peaks=1.0,1.51,1.93", "--num_layers=11",
+    for shown in ("--num_iterations=1825", "--extension_steps=40", "--cooldown_frac=0.5", "--window_stages=3,7,11",
+                  "--seq_len=16384,32768,49152", "--lr_stage_peaks=1.0,1.52,1.73", "--num_layers=11",
+                  "--mtp_weights=1.0,0.5,0.25", "--logit_cap=23.0", "--adam_cautious_wd=0.005",
                   "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",
                   "--key_offset=True", "--attention_scale=0.1", "--yarn=True", "--adam_every=2", "--skip_layers='6'",
                   "--muon_cautious_wd=1.2", "--mlp_down_lr_mul=2.0", "--residual_lambda_init=1.1"):

@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     per_token = [(b - a) / (384 - 128) for a, b in zip(short, long)]
     casts = sum(short) - 128 * sum(per_token)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    adam_params = [model.lm_head.weight, model.embed.weight, *(t.weight for t in model.value_embeds), model.scalars]
-    muon_bytes = sum(4 * p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
-    adam_state_bytes = sum(p.numel() * p.element_size() for p in adam_params)
-    fixed = 2 * weights + 2 * adam_state_bytes + muon_bytes + casts
+    adam, muon = train_gpt.build_optimizers(model, hp)
+    muon_bytes = sum(4 * p.numel() for group in muon.param_groups for p in group["params"])  # momentum
+    adam_state_bytes = sum(8 * p.numel() for group in adam.param_groups for p in group["params"])  # 2 float32 moments
+    fixed = 2 * weights + adam_state_bytes + muon_bytes + casts
     logit_grad = (2 if hp.loss_in_run_dtype else 4) * model.lm_head.weight.size(0)  # gradient of one position's logits
     print(f"{args.preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters: saved for backward "
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "

@@ -114,8 +114,8 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
-    if isinstance(args.seq_len, int) or "key_offset" not in state["hyperparameters"]:
-        raise train_gpt.ConfigError(f"{path}: made by train_gpt.py before 7451827 (the 2025-12-14 layouts); load it "
+    if isinstance(args.seq_len, int) or "mtp_weights" not in state["hyperparameters"]:
+        raise train_gpt.ConfigError(f"{path}: made by train_gpt.py before the 2025-12-31 record's layouts; load it "
                                     f"with the tools of the commit that made it")
     try:
         train_gpt.check_hyperparameters(args, 1)
@@ -136,6 +136,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     if args.rotary_in_run_dtype:  # the tables in the dtype the model runs in, as training held them
         model.rotary.to(run_dtype)
     window = train_gpt.replay_windows(model, state["step"], args)
+    model.embed_tied = train_gpt.embed_tied_at(state["step"], args)  # as the checkpoint's next step would take it
     long_window = train_gpt.long_window_at(state["step"], args)
     model = in_dtype(model, run_dtype)
     return generation_layout(model.to(device).eval()), window, long_window
