@@ -2013,6 +2013,8 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             t0 = time.perf_counter()
         loss = trainer.train_step(step, batch)
         clock.count_step(args.batch_slots * seq_len)
+        if step == trainer.untie_step:
+            log(f"embedding untied from the lm_head after step {step}: a copy of its weights and Adam state from here on")
         elapsed_ms = clock.training_ms + 1000 * (time.perf_counter() - t0)
         if clock.timed_steps == 1:
             clock.first_step_ms, clock.first_step_tokens = elapsed_ms, args.batch_slots * seq_len

@@ -208,6 +208,7 @@ def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, t
               "--mtp_weights=1,0.5,0.25", "--untie_embed_frac=0.5", "--save_checkpoint"]
     full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=2", run_id="full")
     log = Path(full["log_path"]).read_text()
+    assert log.count("embedding untied from the lm_head after step 3:") == 1
     for step, seq_len, window in ((0, 128, 1), (2, 256, 2), (4, 384, 3), (6, 384, 4)):
         assert f"stage {seq_len}x{window}: from step {step}, 2 x {seq_len} tokens a step, long window {window} x 32" in log
         assert re.search(rf"^stage {seq_len}x{window}: {2 if step < 6 else 1} steps, step_avg:", log, re.MULTILINE)
