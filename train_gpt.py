@@ -108,8 +108,8 @@ def lm_head_fp8_scales(grad_scale: str = "record", logit_cap: float = LOGIT_SOFT
     """(x, w, grad) scales of the lm_head's FP8 matmul: the record's, or with the gradient's from its bound."""
     if grad_scale == "record":
         return LM_HEAD_FP8_SCALES
-    # |dCE/dlogit| <= 1 and the softcap's slope <= cap / (4 spread): that bound at e5m2's max uses the binades the
-    # record's scale leaves free at the top, keeping small gradients that it flushes to zero.
+    # One prediction a position: |dCE/dlogit| <= 1 and the softcap's slope <= cap / (4 spread); that bound at e5m2's max
+    # uses the binades the record's scale leaves free at the top, keeping small gradients that it flushes to zero.
     grad_bound = logit_cap / (4 * LOGIT_SOFTCAP_SPREAD)
     return *LM_HEAD_FP8_SCALES[:2], grad_bound / E5M2_MAX
 
@@ -378,15 +378,17 @@ class Muon(torch.optim.Optimizer):
 
 
 def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor, decay: Tensor,
-                beta1: float, beta2: float, eps: float):
+                beta1: float, beta2: float, eps: float, decays: bool = True):
     """One Adam step of p in place, as the records from 2025-12-31 compute it: eps is added to sqrt(v), not to
     sqrt(v) / sqrt(1 - beta2^t); step_size holds the lr and both bias corrections. Cautious weight decay: decay p
-    joins the update where the update moves p toward zero (the mask > 0 of the records from 2025-12-22)."""
+    joins the update where the update moves p toward zero (the mask > 0 of the records from 2025-12-22); decays=False
+    leaves that out, for a decay of 0 (the same result, without the work)."""
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     update = exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(step_size)
-    mask = (update * p) > 0
-    update.add_(p.to(update.dtype) * mask * decay)  # the record's addcmul_ of mask, p and decay: no host read of decay
+    if decays:
+        mask = (update * p) > 0
+        update.add_(p.to(update.dtype) * mask * decay)  # the record's addcmul_ of mask, p and decay: no host read of decay
     p.add_(update, alpha=-1.0)
 
 
@@ -419,7 +421,8 @@ class Adam(torch.optim.Optimizer):
                 t = state["step"]
                 self.step_size.fill_(lr * ((1 - beta2**t) ** 0.5 / (1 - beta1**t)))
                 self.decay.fill_(lr * lr * group["weight_decay"] * group["wd_mul"])
-                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_size, self.decay, beta1, beta2, eps)
+                self.update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self.step_size, self.decay, beta1, beta2, eps,
+                            group["weight_decay"] * group["wd_mul"] != 0)
 
     def copy_state(self, source: nn.Parameter, target: nn.Parameter):
         """target takes source's values and moments, and its step count (the untie of the records from 2025-12-22)."""
@@ -813,7 +816,8 @@ def multi_token_loss(logits: Tensor, targets: Tensor, weights: Tensor) -> Tensor
 
 class GPT(nn.Module):
     """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
-    reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it). windows: every
+    reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it; but the lm_head's
+    while the embedding is tied to it). windows: every
     long window of a run in order, each with its softmax scale; skip_layers: the decoder layers that take a skip (None:
     every one). embed_tied: the input embedding is the lm_head's weight (the records from 2025-12-19, until the untie)."""
 
@@ -992,20 +996,21 @@ class GradientBuckets:
     last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies).
     Buckets of deferred parameters (Adam's, when it steps every few steps) are reduced only on the steps that set
     reduce_deferred; in between, their gradients add up in the buffers, as each rank's own. Parameters in idle get no
-    gradient (the untied embedding, before its untie): their buckets are reduced without them, or not at all."""
+    gradient (the untied embedding, before its untie): their buckets are reduced without them, or not at all; a
+    parameter in alone gets a bucket of its own, skipped whole while it is idle."""
 
     def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
-                 sum_dtype: torch.dtype | None = None, deferred: list[nn.Parameter] = ()):
+                 sum_dtype: torch.dtype | None = None, deferred: list[nn.Parameter] = (), alone: list[nn.Parameter] = ()):
         # sum_dtype=torch.float64: each .grad is added into float64 buffers and dropped, and a sum of a few float32 or
         # bf16 numbers is exact there, so its order no longer matters: any world size gets the same gradient bits.
         self.world_size, self.sum_dtype = world_size, sum_dtype
         self.buckets: list[list[nn.Parameter]] = []
-        deferred_ids = set(map(id, deferred))
+        deferred_ids, alone_ids = set(map(id, deferred)), set(map(id, alone))
         size, kind = bucket_bytes, None
         for p in params_in_ready_order:
-            if size >= bucket_bytes or (p.dtype, id(p) in deferred_ids) != kind:
+            if size >= bucket_bytes or (p.dtype, id(p) in deferred_ids, id(p) in alone_ids and id(p)) != kind:
                 self.buckets.append([])
-                size, kind = 0, (p.dtype, id(p) in deferred_ids)
+                size, kind = 0, (p.dtype, id(p) in deferred_ids, id(p) in alone_ids and id(p))
             self.buckets[-1].append(p)
             size += p.numel() * self._wire_bytes(p)
         self.deferred = [id(bucket[0]) in deferred_ids for bucket in self.buckets]
@@ -1072,11 +1077,21 @@ class GradientBuckets:
                 self.handles[b].wait()
             if self.sum_dtype is not None:
                 for p in bucket:
-                    p.grad = self._slice(p).view_as(p).to(p.dtype, copy=True)
+                    if p not in self.idle:
+                        p.grad = self._slice(p).view_as(p).to(p.dtype, copy=True)
                 self.flat[b].zero_()
         self.ready = [0] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
         self.steps += 1
+
+    def reset(self):
+        """Every gradient from zero, whatever step this is (after the warm-up): deferred and idle buckets too."""
+        for flat in self.flat:
+            flat.zero_()
+        for p in self.bucket_of:
+            p.grad = None if self.sum_dtype is not None else self._slice(p).view_as(p)
+        self.ready = [0] * len(self.buckets)
+        self.handles = [None] * len(self.buckets)
 
     def zero_grad(self):
         """After the optimizer step: the gradients it used start again from zero, in their buffers."""
@@ -1310,8 +1325,8 @@ class Hyperparameters:
     head_init_std: float = 0.005  # the lm_head's weights start normal with this std (records from 2025-12-19); 0: zero
     untie_embed_frac: float = 2 / 3  # the input embedding is the lm_head's weight until the first Adam step from this fraction of the scheduled steps, then a copy of it and its Adam state (records from 2025-12-22); 0: its own from the start
     mtp_weights: tuple = (1.0, 0.5, 0.25)  # multi-token prediction: part k of as many equal parts of the scheduled steps weighs the next len-k tokens by these, the last fading to 0 over the part (records from 2025-12-22); (1.0,): next token only
-    logit_cap: float = 23.0  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
-    logit_offset: float = 5.0  # the softcap's offset above
+    logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
+    logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
     loss_in_run_dtype: bool = True  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
@@ -1344,9 +1359,9 @@ class Hyperparameters:
     # systems
     dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
-    warmup_steps: int = 30  # steps on random tokens before training, to compile (each window stage in turn); state restored afterwards
+    warmup_steps: int = 30  # steps on random tokens before training, to compile (each training shape from its first step, in turn); state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
-    fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (1/448, published) or e5m2_bound (ours: keeps gradients 1/448 flushes; unmeasured on H100)
+    fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (0.75/448, published) or e5m2_bound (ours: keeps gradients the record's flushes; unmeasured on H100; not with multi-token prediction)
     loss_chunk: int = 0  # training loss over the lm_head this many positions at a time, never holding all fp32 logits (ours; 0: at once, as the record; not with fp8)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
@@ -1507,10 +1522,24 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if len(args.mtp_weights) > 1 and args.loss_chunk:
         raise ConfigError(f"mtp_weights={','.join(map(str, args.mtp_weights))} needs loss_chunk=0 (got "
                           f"{args.loss_chunk}): multi-token prediction takes the whole logits")
+    if len(args.mtp_weights) > 1 and args.fp8_grad_scale == "e5m2_bound":
+        raise ConfigError("fp8_grad_scale=e5m2_bound bounds one prediction's gradient: not with mtp_weights")
     if not 0 <= args.untie_embed_frac < 1:
         raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} must be within [0, 1) (0: untied from the start)")
-    if args.logit_cap <= 0 or args.adam_cautious_wd < 0:
-        raise ConfigError(f"logit_cap={args.logit_cap} must be > 0 and adam_cautious_wd={args.adam_cautious_wd} >= 0")
+    if args.untie_embed_frac and args.head_init_std <= 0:
+        raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} ties the embedding to the lm_head: it needs "
+                          f"head_init_std > 0 (a zero lm_head as the embedding gets no gradient)")
+    if args.untie_embed_frac and untie_step(args) >= args.num_iterations:
+        raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} unties after step {untie_step(args)}, past the last "
+                          f"of num_iterations={args.num_iterations}; lower it, or 0 for an untied embedding")
+    # Logits up to cap and no max taken out: the sum of exp over the padded vocabulary must stay finite in float32.
+    largest_cap = math.log(torch.finfo(torch.float32).max / next_multiple(args.vocab_size, 128))
+    if not 0 < args.logit_cap < largest_cap:
+        raise ConfigError(f"logit_cap={args.logit_cap} must be within (0, {largest_cap:.1f}) (float32's exp over the "
+                          f"vocabulary)")
+    if min(args.adam_cautious_wd, args.head_init_std, args.attn_init_std) < 0:
+        raise ConfigError(f"adam_cautious_wd={args.adam_cautious_wd}, head_init_std={args.head_init_std} and "
+                          f"attn_init_std={args.attn_init_std} must be >= 0")
     if args.adam_every < 1:
         raise ConfigError(f"adam_every={args.adam_every} must be at least 1 (1: every step)")
     if args.checkpoint_every % args.adam_every:
@@ -1839,7 +1868,8 @@ class Trainer:
             adam_params = [p for group in self.adam.param_groups for p in group["params"]]
             self.buckets = GradientBuckets(list(reversed(list(self.model.parameters()))), int(args.bucket_mb * 1e6),
                                            world_size, torch.float64 if args.exact_grad_sum else None,
-                                           deferred=adam_params if args.adam_every > 1 else ())
+                                           deferred=adam_params if args.adam_every > 1 else (),
+                                           alone=[self.model.embed.weight] if untie_step(args) is not None else ())
         self.grad_accum_steps = args.batch_slots // world_size
         # AOTAutograd's cache skips graphs with an autograd.Function unless allowed; ChunkedSoftcapLoss
         # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
@@ -1946,14 +1976,12 @@ class Trainer:
         self.model.load_state_dict(saved["model"])
         for optimizer, state in zip(self.optimizers, saved["optimizers"]):
             optimizer.load_state_dict(state)
-        if self.buckets is not None:  # gradients Adam summed but did not step on
-            self.buckets.reduce_deferred = True
-            self.buckets.zero_grad()
+        if self.buckets is not None:  # gradients Adam summed but did not step on, and the idle embedding's
+            self.buckets.reset()
         else:
             self.model.zero_grad(set_to_none=True)
         self.nonfinite_step.fill_(-1)
         self.window = window
-        self.tie_embedding(embed_tied_at(first_step, args))
 
     def synchronize(self):
         if self.device.type == "cuda":

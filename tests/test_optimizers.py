@@ -868,6 +868,19 @@ def test_adam_keeps_float32_moments_and_decays_cautiously():
             assert torch.equal(reloaded.state[mine][key], adam.state[theirs][key])
 
 
+def test_adam_without_decay_skips_its_terms_with_the_same_bits():
+    """A decay of 0 (the groups with wd_mul 0, or adam_cautious_wd=0) leaves out the mask and the decay's terms: the
+    same parameters and moments, to the bit, as adding 0 times them."""
+    g = torch.Generator().manual_seed(3)
+    p0, grad = torch.randn(256, generator=g).bfloat16(), torch.randn(256, generator=g).bfloat16()
+    results = []
+    for decays in (True, False):
+        p, m, v = p0.clone(), torch.zeros(256), torch.zeros(256)
+        train_gpt.adam_update(p, grad, m, v, torch.tensor(0.01), torch.tensor(0.0), 0.65, 0.95, 1e-8, decays)
+        results.append((p, m, v))
+    assert all(torch.equal(a, b) for a, b in zip(*results)) and not torch.equal(results[0][0], p0)
+
+
 def test_compiled_adam_compiles_once_whatever_the_lr():
     """The device plan compiles Adam's update on CUDA: twelve steps at twelve lrs (a cooldown) run the
     graph compiled at the first, and move the parameters as the eager update does: both within float32's

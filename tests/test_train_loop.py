@@ -230,6 +230,19 @@ def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, t
                         (step, key, name)
 
 
+@pytest.mark.parametrize("exact_grad_sum", ["true", "false"])
+def test_the_warm_up_leaves_no_gradient_behind(tiny_shards, tmp_path, exact_grad_sum):
+    """Warm-up steps that end between Adam's steps, with the embedding tied (idle, in a bucket of its own) and untied
+    within them: the run that follows equals one without a warm-up, to the bit (a gradient left in a deferred or idle
+    bucket would join its first Adam step). One process; float64 sums keep the buckets."""
+    common = [*RECORDS_STRUCTURE, "--num_iterations=8", "--adam_every=2", "--untie_embed_frac=0.5", "--val_loss_every=4",
+              f"--exact_grad_sum={exact_grad_sum}", "--save_checkpoint"]
+    runs = [run(tiny_shards, tmp_path / str(steps), *common, f"--warmup_steps={steps}") for steps in (0, 5)]
+    assert runs[0]["val_losses"] == runs[1]["val_losses"]
+    ends = [torch.load(r["checkpoints"][-1], weights_only=False)["model"] for r in runs]
+    assert all(torch.equal(ends[0][name], ends[1][name]) for name in ends[0])
+
+
 def test_restore_replays_every_window_change_up_to_its_step():
     """restore_checkpoint moves the window through steps 0..s, so rescales compound as in the run that
     stepped through them: at every step s (each side of each change), the same window, and the same
@@ -640,6 +653,16 @@ RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_
     (["--extension_steps=10"], "extension_steps=10 must be within [0, num_iterations=10)"),
     (["--muon_momentum_cooldown_steps=-1"], "muon_momentum_cooldown_steps=-1 must be within [0, num_iterations=10)"),
     (["--backout_layer=2"], "backout_layer=2 must be a layer below num_layers=2, or -1 for none"),
+    (["--mtp_weights=0.5,1"], "mtp_weights=0.5,1.0 must start with 1 (the next token's) and be > 0"),
+    (["--mtp_weights=1,0.5"], "mtp_weights=1.0,0.5 needs loss_chunk=0 (got 1024)"),
+    (["--mtp_weights=1,0.5", "--loss_chunk=0", "--fp8_grad_scale=e5m2_bound"],
+     "fp8_grad_scale=e5m2_bound bounds one prediction's gradient: not with mtp_weights"),
+    (["--untie_embed_frac=1"], "untie_embed_frac=1.0 must be within [0, 1)"),
+    (["--untie_embed_frac=0.5"], "untie_embed_frac=0.5 ties the embedding to the lm_head: it needs head_init_std > 0"),
+    (["--untie_embed_frac=0.95", "--head_init_std=0.005"], "untie_embed_frac=0.95 unties after step 10, past the last "
+                                                            "of num_iterations=10"),
+    (["--logit_cap=90"], "logit_cap=90.0 must be within (0, 81.8)"),
+    (["--head_init_std=-1"], "head_init_std=-1.0 and attn_init_std=0.5 must be >= 0"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
     with pytest.raises(train_gpt.ConfigError, match=re.escape(message)):

@@ -56,7 +56,7 @@ import shards  # noqa: E402
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
 ATTENTION_TOLERANCE = 2e-2  # bf16 rounding on CUDA; float32 on CPU agrees far more closely
 CHECK_SEQ_LEN = 8 * 1024  # tokens per training step in the training check: compiles and runs in well under a minute
-BENCH_UNTIMED_STEPS = 2  # per stage before timing: the first compiles the stage's graphs
+BENCH_UNTIMED_STEPS = 2  # per training shape of a stage before timing: the first compiles the shape's graphs
 BENCH_DOC_TOKENS = 670  # mean synthetic document: FineWeb's sample-10BT holds about 10B GPT-2 tokens in 15M documents
 RECORD_GPUS = 8
 
@@ -306,17 +306,19 @@ def stage_steps(args: train_gpt.Hyperparameters) -> dict[tuple[int, int], list[i
 def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, rank: int, world_size: int,
                  device: torch.device) -> dict:
     """This rank's share of real training steps, at the first steps of each stage (seq_len, window): ms per step over
-    `steps` after BENCH_UNTIMED_STEPS, and the peak memory."""
+    `steps` after the untimed ones (BENCH_UNTIMED_STEPS from the first step of each training shape in the stage: the
+    untie's within the third), and the peak memory."""
     plan = train_gpt.plan_device(args, device)
     trainer = train_gpt.Trainer(args, rank, world_size, plan)
     stream = train_gpt.TokenStream(train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
                                    plan.pinned_memory, args.packed_doc_len)
     barrier = dist.barrier if world_size > 1 else (lambda: None)
-    stages = []
+    stages, first_steps = [], set(train_gpt.training_shapes(args).values())
     for (seq_len, window), run_steps in stage_steps(args).items():
         start = time.perf_counter()
-        for i in range(BENCH_UNTIMED_STEPS + steps):
-            if i == BENCH_UNTIMED_STEPS:
+        untimed = max(i for i, step in enumerate(run_steps) if step in first_steps) + BENCH_UNTIMED_STEPS
+        for i in range(untimed + steps):
+            if i == untimed:
                 trainer.synchronize()
                 barrier()
                 t0 = time.perf_counter()
@@ -328,7 +330,7 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
         flops = run_support.stage_flops_per_token(trainer.model, args, seq_len, window)
         stages.append((seq_len, window, ms, flops))
         if rank == 0:  # progress, with the time of the untimed steps, which compile
-            print(f"{args.batch_slots} x {seq_len} tokens, window {window}: {BENCH_UNTIMED_STEPS} untimed steps in "
+            print(f"{args.batch_slots} x {seq_len} tokens, window {window}: {untimed} untimed steps in "
                   f"{t0 - start:.1f} s, then {ms:.1f} ms/step", file=sys.stderr, flush=True)
     trainer.stop_if_nonfinite()
     return dict(stages=stages, peak_memory=run_support.peak_memory_line(device), dtype=plan.dtype, compile=plan.compile,
