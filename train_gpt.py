@@ -1968,7 +1968,6 @@ class Trainer:
         for i in range(args.warmup_steps):  # successive steps of each shape: Adam's and Muon's alone
             step = min(first_steps[i % len(first_steps)] + i // len(first_steps), args.num_iterations - 1)
             seq_len, self.window = seq_len_at(step, args), window_at(step, args)
-            self.tie_embedding(embed_tied_at(step, args))
             random_batch = [(torch.randint(0, args.vocab_size, (seq_len,), device=self.device, dtype=torch.int32),
                              torch.randint(0, args.vocab_size, (seq_len,), device=self.device))
                             for _ in range(self.grad_accum_steps)]
