@@ -4,20 +4,25 @@ the resume command, the GPU guard. train_gpt.py logs this file's source after it
 holds every line that ran. This module imports nothing from train_gpt.py.
 """
 
+import argparse
 import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import inspect
+import json
 import math
 import os
 import platform
 import re
 import resource
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -53,6 +58,13 @@ def os_reason(error: BaseException) -> str | None:
 
 # ------------------------------------------------------------------------------------------------
 # The command line: a preset, then --key=value overrides of its hyperparameters
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A tool's command line whose errors are one line on stderr and exit 2, as train_gpt.py's are."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (--help lists the options)\n")
 
 
 def _convert(field: dataclasses.Field, text: str):
@@ -441,21 +453,60 @@ def final_report(log: RunLog, trainer, clock: TrainingClock, val_losses: dict, v
 # Checkpoint and log files
 
 CHECKPOINT_NAME = "step_{:06d}.pt"  # zero-padded: names sort by step
-CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}
+CHECKPOINT_KEYS = {"step", "model", "optimizers", "data", "hyperparameters", "clock"}  # and identity (seal)
+IDENTITY_KEYS = {"run_id", "launch", "log", "step", "digest"}
+OWNER_FILE = ".owner"  # in a run's checkpoint folder: locked by the run writing there, naming it (JSON)
 
 
 def checkpoint_path(checkpoint_dir: str, run_id: str, step: int) -> Path:
     return Path(checkpoint_dir, run_id, CHECKPOINT_NAME.format(step))
 
 
+def checkpoint_digest(state: dict) -> str:
+    """sha256 of everything a checkpoint holds but its identity, in the order it is stored: each tensor's dtype,
+    shape and bytes, every other value's repr. A file holding tensors that another process wrote cannot match."""
+    digest = hashlib.sha256()
+
+    def visit(value):
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            digest.update(f"tensor {tensor.dtype} {tuple(tensor.shape)}:".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(value, dict):
+            digest.update(b"{")
+            for key, item in value.items():
+                digest.update(f"{key!r}:".encode())
+                visit(item)
+            digest.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[" if isinstance(value, list) else b"(")
+            for item in value:
+                visit(item)
+            digest.update(b"]")
+        else:
+            digest.update(f"{value!r};".encode())
+
+    visit({key: value for key, value in state.items() if key != "identity"})
+    return digest.hexdigest()
+
+
+def seal(state: dict, run_id: str, launch: str, log_path: Path | None) -> dict:
+    """state with the identity a checkpoint carries: its run, the launch (one process group) that wrote it, the log
+    that records it, its step, and the digest of the rest."""
+    identity = dict(run_id=run_id, launch=launch, log=str(log_path) if log_path else "", step=state["step"])
+    return {**state, "identity": {**identity, "digest": checkpoint_digest(state)}}
+
+
 def write_checkpoint(path: Path, state: dict):
-    """Written to a temporary file and renamed: a final name never holds a partial checkpoint. A file
-    that cannot be written (a full disk, a size limit) raises WriteError."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Written to a temporary file that no other process can share, then renamed: a final name never holds a partial
+    checkpoint, nor one that two processes wrote. A file that cannot be written (a full disk, a size limit) raises
+    WriteError."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:  # through a Python file, a failed write keeps the OS's error
-            torch.save(state, f)
+        # O_EXCL: a name some other process made is never written into; 0o666 keeps the umask's permissions.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            torch.save(state, f)  # through a Python file, a failed write keeps the OS's error
             f.flush()
             os.fsync(f.fileno())  # on disk before it takes the final name; some file systems report a full disk only here
         os.replace(tmp, path)
@@ -469,7 +520,8 @@ def write_checkpoint(path: Path, state: dict):
 
 
 def read_checkpoint(path: Path) -> dict:
-    """A checkpoint holding at least CHECKPOINT_KEYS, loaded to CPU without running any pickled code."""
+    """A checkpoint holding at least CHECKPOINT_KEYS, loaded to CPU without running any pickled code, whose contents
+    match the digest it was sealed with and whose step is the one its name gives."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -478,6 +530,18 @@ def read_checkpoint(path: Path) -> dict:
         raise ConfigError(f"{path}: not a readable checkpoint of train_gpt.py ({str(e).strip().splitlines()[0]})") from None
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise ConfigError(f"{path}: not a checkpoint of train_gpt.py (it lacks {', '.join(sorted(CHECKPOINT_KEYS))})")
+    identity = state.get("identity")
+    if not isinstance(identity, dict) or not IDENTITY_KEYS <= identity.keys():
+        raise ConfigError(f"{path}: made by train_gpt.py before checkpoints carried their run's identity and digest; "
+                          f"load it with the commit that made it")
+    if checkpoint_digest(state) != identity["digest"]:
+        raise ConfigError(f"{path}: its contents do not match the digest run {identity['run_id']!r} sealed it with (two "
+                          f"processes wrote it, or it was damaged): refused; use another checkpoint of the run")
+    named = re.fullmatch(r"step_(\d+)\.pt", path.name)
+    if identity["step"] != state["step"] or (named and int(named[1]) != state["step"]):
+        raise ConfigError(f"{path}: holds step {state['step']} of run {identity['run_id']!r}, sealed as step "
+                          f"{identity['step']}{f', named step {int(named[1])}' if named else ''}: refused; use another "
+                          f"checkpoint of the run")
     return state
 
 
@@ -492,6 +556,78 @@ def latest_checkpoint(checkpoint_dir: str, run_id: str) -> Path:
     return found[-1]
 
 
+def owner_record(text: str) -> dict:
+    """What an OWNER_FILE says of the run that holds, or last held, its folder; {} when it says nothing readable."""
+    with contextlib.suppress(ValueError):
+        record = json.loads(text)
+        return record if isinstance(record, dict) else {}
+    return {}
+
+
+class CheckpointFolder:
+    """A run's checkpoint folder, held by one launch of one run for as long as it lives: an exclusive lock on the
+    folder's OWNER_FILE (the OS lets it go when the process ends, however it ends), which names the holder. Refuses,
+    in one line, a folder that another live process holds, and one that holds checkpoints of another run, which this
+    run would overwrite: only a run resuming from a checkpoint in the folder continues there."""
+
+    def __init__(self, path: Path, run_id: str, log_path: Path, resume_from: Path | None):
+        self.path, self.run_id, self.log_path = path, run_id, log_path
+        self.launch = uuid.uuid4().hex  # this launch's checkpoints carry it (seal)
+        self.owner = self._lock()
+        self.owner.seek(0)
+        before = self.owner.read().strip()
+        earlier = sorted(path.glob("step_*.pt"))
+        if earlier and (resume_from is None or resume_from.resolve().parent != path.resolve()):
+            self.owner.close()
+            made_by = f"; its log: {holder.get('log', '?')}" if (holder := owner_record(before)) else ""
+            raise ConfigError(f"{path}: holds checkpoints of an earlier run of run_id {run_id!r} ({earlier[-1].name} the "
+                              f"last{made_by}), which this run would overwrite; continue it with --resume=latest, or "
+                              f"give this run another --run_id or --checkpoint_dir")
+        for stale in path.glob(".step_*.tmp"):  # a write that a killed process left: no live process holds the folder
+            stale.unlink(missing_ok=True)
+        self.owner.seek(0)
+        self.owner.truncate()
+        self.owner.write(json.dumps(dict(log=str(log_path), pid=os.getpid(), host=platform.node(), launch=self.launch,
+                                         since=time.strftime("%Y-%m-%d %H:%M:%S"))) + "\n")
+        self.owner.flush()
+
+    def _lock(self):
+        """OWNER_FILE open and locked; a lock taken on a file that the last holder removed meanwhile is taken again."""
+        while True:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                owner = open(self.path / OWNER_FILE, "a+")
+            except OSError as e:
+                raise ConfigError(f"--checkpoint_dir={self.path}: cannot write there ({e.strerror or e}); pick a "
+                                  f"writable folder") from None
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner.seek(0)
+                holder = owner_record(owner.read())
+                owner.close()
+                named = (f"pid {holder.get('pid')} on {holder.get('host')}, logging to {holder.get('log')}, since "
+                         f"{holder.get('since')}" if holder else "it has not named itself yet")
+                raise ConfigError(f"{self.path}: the checkpoint folder of run {self.run_id!r} is in use by another live "
+                                  f"process ({named}); wait for it to end, or give this run another --run_id or "
+                                  f"--checkpoint_dir") from None
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path / OWNER_FILE).st_ino == os.fstat(owner.fileno()).st_ino:
+                    return owner
+            owner.close()
+
+    def seal(self, state: dict) -> dict:
+        return seal(state, self.run_id, self.launch, self.log_path)
+
+    def release(self):
+        """Lets the folder go; one left without checkpoints is removed, as if this run had never claimed it."""
+        if not any(self.path.glob("step_*.pt")):
+            with contextlib.suppress(OSError):
+                (self.path / OWNER_FILE).unlink()  # while locked: a process waiting for it locks the new file
+                self.path.rmdir()
+        self.owner.close()  # closing the file lets the lock go
+
+
 def check_resumable(state: dict, path: Path, args, resumable: set[str]):
     """Refuses a checkpoint whose hyperparameters differ from args in any setting outside resumable."""
     saved, now = state["hyperparameters"], dataclasses.asdict(args)
@@ -502,10 +638,11 @@ def check_resumable(state: dict, path: Path, args, resumable: set[str]):
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
 
 
-def save_checkpoint(trainer, stream, clock: TrainingClock, run_id: str, log: RunLog, saved: list[Path], step: int,
-                    periodic: bool = False) -> Path:
-    """Called on every rank (Muon gathers its state), written by rank 0, added to saved once every rank knows it was.
-    A periodic save that fails is logged and training goes on; any other raises WriteError on every rank."""
+def save_checkpoint(trainer, stream, clock: TrainingClock, folder: CheckpointFolder | None, run_id: str, log: RunLog,
+                    saved: list[Path], step: int, periodic: bool = False) -> Path:
+    """Called on every rank (Muon gathers its state), sealed and written by rank 0, which holds folder; added to saved
+    once every rank knows it was. A periodic save that fails is logged and training goes on; any other raises
+    WriteError on every rank."""
     path = checkpoint_path(trainer.args.checkpoint_dir, run_id, step)
     state = dict(step=step, model=trainer.model.state_dict(), optimizers=[o.state_dict() for o in trainer.optimizers],
                  data=stream.state_dict(), hyperparameters=dataclasses.asdict(trainer.args),
@@ -513,7 +650,7 @@ def save_checkpoint(trainer, stream, clock: TrainingClock, run_id: str, log: Run
     failure = None
     if trainer.rank == 0:
         try:
-            write_checkpoint(path, state)
+            write_checkpoint(path, folder.seal(state))
         except WriteError as e:
             failure = e
     written = torch.tensor(int(failure is None), device=trainer.device)
@@ -529,14 +666,27 @@ def save_checkpoint(trainer, stream, clock: TrainingClock, run_id: str, log: Run
     return path
 
 
-def check_writable(folder: Path, option: str):
-    """Fails now, naming the option, rather than after training when the first file is saved."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--{option}={folder}: cannot write there ({e.strerror or e}); pick a writable folder") from None
+def claim_run_files(rank: int, world_size: int, log_path: Path, folder: Path, run_id: str,
+                    resume_from: Path | None) -> tuple[RunLog, CheckpointFolder | None]:
+    """On rank 0, the checkpoint folder claimed (every run may save one: a stop signal saves) and then the log made;
+    a refusal is raised on every rank, which would otherwise wait for rank 0 forever. The other ranks get a log that
+    writes nothing and no folder."""
+    log, claimed, refusal = RunLog(None), None, None
+    if rank == 0:
+        try:
+            claimed = CheckpointFolder(folder, run_id, log_path, resume_from)
+            log = RunLog(log_path)
+        except ConfigError as e:
+            if claimed is not None:
+                claimed.release()
+            refusal = str(e)
+    if world_size > 1:
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal:
+        raise ConfigError(refusal)
+    return log, claimed
 
 
 def log_path_for(log_dir: Path, run_id: str, resuming: bool) -> tuple[Path, Path | None]:

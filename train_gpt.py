@@ -1997,9 +1997,9 @@ def restore_checkpoint(state: dict, trainer: Trainer) -> tuple[int, dict]:
     return state["step"], state["clock"]
 
 
-def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: support.RunLog, run_id: str,
-                  start_step: int, clock: support.TrainingClock, stop: support.StopSignals, argv: list[str],
-                  checkpoints: list[Path]) -> tuple[dict, dict, list[Path]]:
+def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, log: support.RunLog,
+                  folder: support.CheckpointFolder | None, run_id: str, start_step: int, clock: support.TrainingClock,
+                  stop: support.StopSignals, argv: list[str], checkpoints: list[Path]) -> tuple[dict, dict, list[Path]]:
     """Steps start_step..num_iterations with validation, logs and checkpoints on schedule; returns (val_losses,
     train_losses, checkpoints). Raises Preempted after the step in which a signal came."""
     args, rank, world_size = trainer.args, trainer.rank, trainer.world_size
@@ -2009,7 +2009,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
         trainer.synchronize()
         clock.add_time(1000 * (time.perf_counter() - t0))
 
-    save = functools.partial(support.save_checkpoint, trainer, stream, clock, run_id, log, checkpoints)
+    save = functools.partial(support.save_checkpoint, trainer, stream, clock, folder, run_id, log, checkpoints)
 
     trainer.synchronize()
     t0 = time.perf_counter()
@@ -2096,13 +2096,14 @@ def main(argv: list[str] | None = None) -> dict:
     if checkpoint is not None:
         support.check_resumable(checkpoint, resume_from, args, RESUMABLE_CHANGES)
         stream.load_state_dict(checkpoint["data"])  # reads and checks the shard it resumes in
-    if args.save_checkpoint or args.checkpoint_every:
-        support.check_writable(Path(args.checkpoint_dir) / run_id, "checkpoint_dir")
     log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
-    log = support.RunLog(log_path if rank == 0 else None)
+    log, folder = support.claim_run_files(rank, world_size, log_path, Path(args.checkpoint_dir) / run_id, run_id,
+                                          resume_from if checkpoint is not None else None)
     stop = support.StopSignals(world_size)
     try:
         log.header(sources, args, preset, device, world_size, plan.lines)
+        if folder is not None:
+            log(f"checkpoints: {folder.path}, held by this launch ({folder.launch}) while it runs", console=False)
         peak = support.matmul_peak(device, DTYPES[plan.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)
         trainer = Trainer(args, rank, world_size, plan)
@@ -2119,8 +2120,9 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             trainer.warm_up(start_step)
             log(f"warm-up: {args.warmup_steps} steps on random tokens in {time.perf_counter() - t0:.1f}s; state restored")
-        val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, run_id, start_step,
-                                                              clock, stop, argv, [resume_from] if args.resume else [])
+        val_losses, train_losses, checkpoints = training_loop(trainer, stream, val_sequences, log, folder, run_id,
+                                                              start_step, clock, stop, argv,
+                                                              [resume_from] if args.resume else [])
         val_entropy = support.unigram_entropy(val_sequences, args.vocab_size)
         diverged = support.divergence(val_losses, trainer.model.lm_head.out_features)
         support.final_report(log, trainer, clock, val_losses, val_entropy, checkpoints, peak, diverged)
@@ -2131,6 +2133,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         stop.close()
         log.close()
+        if folder is not None:
+            folder.release()
 
 
 if __name__ == "__main__":

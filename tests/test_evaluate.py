@@ -300,25 +300,149 @@ def test_a_checkpoint_of_each_preset_scores_as_its_model_alone(request, preset):
         assert_within(torch.tensor(value), torch.tensor(exact), bound, f"{preset}, {len(tokens)} tokens")
 
 
+def one_line_exit(argv: list[str], capsys) -> str:
+    """evaluate.main's exit status, which must be 2 with one line on stderr and nothing on stdout; that line."""
+    try:
+        code = evaluate.main(argv)
+    except SystemExit as e:
+        code = e.code
+    stdout, stderr = capsys.readouterr()
+    assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1, (code, stdout, stderr)
+    assert stderr.startswith("error: ") and "Traceback" not in stderr, stderr
+    return stderr.strip()
+
+
+def perplexity_task(folder, name: str, data) -> str:
+    """A task named name in folder, of the form of our shakespeare_val.yaml, reading data (a path)."""
+    folder.mkdir(exist_ok=True)
+    text = (TASKS / "shakespeare_val.yaml").read_text()
+    assert "task: shakespeare_val\n" in text and "data/shakespeare/shakespeare_val.jsonl" in text
+    (folder / f"{name}.yaml").write_text(text.replace("task: shakespeare_val", f"task: {name}")
+                                         .replace("data/shakespeare/shakespeare_val.jsonl", str(data)))
+    return str(folder)
+
+
 @pytest.mark.parametrize("make_args, message", [
     (lambda tmp, ckpt: [str(tmp / "missing.pt"), "--tasks=hellaswag_local"], "no such checkpoint"),
-    (lambda tmp, ckpt: [str(ckpt), "--tasks=no_such_task"], "--tasks: unknown task no_such_task;"),
-    (lambda tmp, ckpt: [str(ckpt), "--tasks=hellaswag_local"], "task hellaswag_local: could not be loaded (FileNotFoundError: "),
+    (lambda tmp, ckpt: [str(ckpt), "--tasks=no_such_task", f"--include_path={perplexity_task(tmp / 'mine', 'x', tmp)}"],
+     f"--tasks: unknown task no_such_task: neither one of lm-eval's (`lm-eval ls tasks` lists them) nor in "
+     f"{TASKS} or "),
+    (lambda tmp, ckpt: [str(ckpt), "--tasks=hellaswag_local"],
+     f"task hellaswag_local ({TASKS / 'hellaswag_local.yaml'}): its data file data/hellaswag/hellaswag_val.jsonl does "
+     f"not exist (relative paths are from the working directory, "),
 ])
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, monkeypatch, gpt2_ranks_file, make_args,
                                           message):
-    """A file that is no checkpoint, a task the harness does not know, a task whose data is not here (the
-    repository's local HellaSwag task without its file, offline): one line naming it, exit 2, nothing written."""
+    """A file that is no checkpoint, a task the harness does not know (the folders searched named), a task whose
+    data is not here (the repository's local HellaSwag task without its file): one line naming it, exit 2, and no
+    --output folder made."""
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(gpt2_ranks_file))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # the task's relative data path leads nowhere here
-    out = tmp_path / "out"
-    args = make_args(tmp_path, trained[0])
-    assert evaluate.main([*args, f"--output={out}", "--device=cpu"]) == 2
-    stdout, stderr = capsys.readouterr()
-    assert stdout == "" and len(stderr.strip().splitlines()) == 1, stderr
-    assert stderr.startswith("error: ") and message in stderr
-    assert not out.exists() or not any(out.iterdir())
+    out = tmp_path / "out" / "deeper"
+    assert message in one_line_exit([*make_args(tmp_path, trained[0]), f"--output={out}", "--device=cpu"], capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def broken_yaml(tmp):
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "fine.yaml").write_text("task: fine\ndataset_path: json\n")
+    (tmp / "tasks" / "broken.yaml").write_text("task: broken\ndataset_path: json\n  extra: indented: wrongly\n")
+    return ["--tasks=hellaswag", f"--include_path={tmp / 'tasks'}"]
+
+
+def broken_json_line(tmp):
+    (tmp / "docs.jsonl").write_text('{"text": "one"}\n\n{"text": "two\n{"text": "three"}\n')
+    return ["--tasks=docs", f"--include_path={perplexity_task(tmp / 'tasks', 'docs', tmp / 'docs.jsonl')}"]
+
+
+def not_objects(tmp):
+    (tmp / "docs.json").write_text('[{"text": "one"}, ["text", "two"]]')
+    return ["--tasks=docs", f"--include_path={perplexity_task(tmp / 'tasks', 'docs', tmp / 'docs.json')}"]
+
+
+def an_empty_folder(tmp):
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "notes.txt").write_text("task: not a yaml\n")
+    return ["--tasks=hellaswag", f"--include_path={tmp / 'tasks'}"]
+
+
+def a_file_in_the_way(tmp):
+    (tmp / "results").write_text("")
+    return ["--tasks=hellaswag", f"--output={tmp / 'results' / 'here'}"]
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda tmp: ["--tasks=hellaswag", "--limit=0"], "--limit=0: give a number of examples a task (1, 2, ...) or a "
+                                                     "fraction of each task (between 0 and 1)"),
+    (lambda tmp: ["--tasks=hellaswag", "--limit=-1"], "--limit=-1: give a number of examples"),
+    (lambda tmp: ["--tasks=hellaswag", "--limit=2.5"], "--limit=2.5: give a number of examples"),
+    (lambda tmp: ["--tasks=,"], "--tasks names no task; give one or more task names separated by commas"),
+    (lambda tmp: ["--tasks= , ,"], "--tasks names no task"),
+    (lambda tmp: ["--tasks=hellaswag", "--num_fewshot=-1"], "--num_fewshot=-1 must be at least 0"),
+    (lambda tmp: ["--tasks=hellaswag", "--max_length=0"], "--max_length=0 must be at least 1"),
+    (lambda tmp: ["--tasks=hellaswag", "--max_length=2048", "--batch_tokens=1024"],
+     "--batch_tokens=1024 must hold --max_length=2048"),
+    (lambda tmp: ["--tasks=hellaswag", "--device=bogus"], "--device=bogus: not a device torch knows"),
+    (lambda tmp: ["--tasks=hellaswag", "--batch_tokens=0"], "--batch_tokens=0 must hold --max_length=1024"),
+    (lambda tmp: ["--tasks=hellaswag", "--bogus=1"], "unrecognized arguments: --bogus=1"),
+    (lambda tmp: ["--tasks=hellaswag", f"--include_path={tmp / 'nowhere'}"], "--include_path=TMP/nowhere: no such folder"),
+    (an_empty_folder, "--include_path=TMP/tasks: holds no task YAML"),
+    (broken_yaml, "TMP/tasks/broken.yaml, line 3: not a task YAML (mapping values are not allowed here)"),
+    (broken_json_line, "TMP/docs.jsonl, line 3: not valid JSON (Unterminated string starting at: column 10); task docs "
+                       "(TMP/tasks/docs.yaml) reads it"),
+    (not_objects, "TMP/docs.json: a JSON list where an object (one document) belongs; task docs"),
+    (a_file_in_the_way, "--output=TMP/results/here: TMP/results is a file, not a folder"),
+])
+def test_bad_options_are_refused_in_one_line_before_the_harness_or_a_model_loads(trained, tmp_path, capsys, monkeypatch,
+                                                                                  make_args, message):
+    """Each option checked first: a limit that is neither a count nor a fraction, no task named, a folder of task
+    YAMLs that is missing, holds none or holds one that does not parse (its line named), task data with a line that
+    is no JSON object (its line named), an output that cannot be a folder. One line, exit 2, the checkpoint unread,
+    the harness untouched, nothing made."""
+    def never(*args, **kwargs):
+        raise AssertionError("reached past the checks of the options")
+
+    monkeypatch.setattr(sample, "load_model", never)
+    monkeypatch.setattr(evaluate, "quiet_harness", never)
+    options = make_args(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    device = [] if any(option.startswith("--device") for option in options) else ["--device=cpu"]
+    assert message.replace("TMP", str(tmp_path)) in one_line_exit([str(trained[0]), *options, *device], capsys)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_failed_write_of_the_results_leaves_nothing_it_made(tmp_path):
+    """The results JSON written, then a samples file that cannot be (its task name holds a folder that is not there):
+    an OSError naming that file, the results JSON and the folders made for them removed."""
+    output = tmp_path / "new" / "results"
+    checkpoint = tmp_path / "step_000006.pt"
+    with pytest.raises(OSError, match=re.escape(f"{output}/step_000006_a/b_samples.jsonl: could not be written (")):
+        evaluate.write_results(output, checkpoint, ["t"], {"results": {}}, {"t": [], "a/b": [{"doc_id": 0}]})
+    assert list(tmp_path.iterdir()) == []
+    written = evaluate.write_results(output, checkpoint, ["t"], {"results": {"t": 1}}, {"t": [{"doc_id": 0}]})
+    assert sorted(output.iterdir()) == sorted(written) and json.loads(written[0].read_text()) == {"results": {"t": 1}}
+
+
+def test_our_shakespeare_task_runs_without_a_warning(trained, tmp_path, gpt2_ranks_file):
+    """tools/eval_tasks/shakespeare_val.yaml on two documents, offline, as a user runs it from a folder (not a git
+    checkout) that holds its data: the table and results, and nothing on stderr but the harness's progress bars."""
+    (tmp_path / "data" / "shakespeare").mkdir(parents=True)
+    (tmp_path / "data" / "shakespeare" / "shakespeare_val.jsonl").write_text(
+        "".join(json.dumps({"text": text}) + "\n" for text in ("To be, or not to be.", "Now is the winter.")))
+    env = dict(os.environ, GPT2_TIKTOKEN_FILE=str(gpt2_ranks_file), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), str(trained[0]), "--tasks=shakespeare_val",
+                           f"--output={tmp_path / 'out'}", "--device=cpu"], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^\|shakespeare_val\|.*\|bits_per_byte", proc.stdout, re.M), proc.stdout
+    said = [line for line in re.split(r"[\r\n]", proc.stderr) if line.strip() and not re.search(r"\d+/\d+ \[", line)]
+    assert said == [], proc.stderr
+    results = json.loads((tmp_path / "out" / f"{trained[0].stem}_shakespeare_val.json").read_text())
+    assert results["n-samples"]["shakespeare_val"]["effective"] == 2
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if commit.returncode == 0:  # the results name this project's commit, not the working directory's
+        assert results["git_hash"].startswith(commit.stdout.strip())
 
 
 def test_run_sh_eval_runs_the_tool(trained, hellaswag_task, tmp_path, gpt2_ranks_file):
@@ -334,15 +458,3 @@ def test_run_sh_eval_runs_the_tool(trained, hellaswag_task, tmp_path, gpt2_ranks
     assert "installing" not in proc.stderr
     results = json.loads((tmp_path / "out" / f"{trained[0].stem}_hellaswag_invented.json").read_text())
     assert results["n-samples"]["hellaswag_invented"]["effective"] == 8
-
-
-@pytest.mark.parametrize("options, message", [
-    (["--max_length=0"], "--max_length=0 must be at least 1"),
-    (["--max_length=2048", "--batch_tokens=1024"], "--batch_tokens=1024 must hold --max_length=2048"),
-    (["--batch_tokens=0"], "--batch_tokens=0 must hold --max_length=1024"),
-    (["--device=bogus"], "--device=bogus: not a device torch knows"),
-])
-def test_bad_options_are_refused_before_anything_loads(tmp_path, capsys, options, message):
-    with pytest.raises(SystemExit) as exit_:
-        evaluate.main([str(tmp_path / "missing.pt"), "--tasks=hellaswag_local", *options])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import ROOT
 from test_model import randomize_, records_structure_gpt
 
+import run_support
 import shards
 import train_gpt
 from rounding import UNIT_ROUNDOFF, assert_within, first_order_bound
@@ -96,7 +97,7 @@ def test_loaded_rotary_follows_the_checkpoints_yarn(trained, tmp_path):
             state["hyperparameters"].pop("yarn")
         else:
             state["hyperparameters"]["yarn"] = yarn
-        torch.save(state, tmp_path / "edited.pt")
+        torch.save(run_support.seal(state, "cycle", "edited", None), tmp_path / "edited.pt")
         model, window, _ = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
         assert window == 3 and torch.equal(model.rotary.freqs, expected), yarn
 
@@ -109,7 +110,7 @@ def test_a_final_checkpoint_samples_with_its_last_validations_long_window(traine
     assert state["step"] == state["hyperparameters"]["num_iterations"]
     for final_long_window, step, expected in ((0, 6, None), (4, 6, 4), (4, 5, None)):
         state["hyperparameters"]["final_long_window"], state["step"] = final_long_window, step
-        torch.save(state, tmp_path / "edited.pt")
+        torch.save(run_support.seal(state, "cycle", "edited", None), tmp_path / "edited.pt")
         _, _, long_window = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
         assert long_window == expected
 
@@ -409,7 +410,7 @@ def other_shape(tmp_path, checkpoint):
     state = torch.load(checkpoint, weights_only=True)
     state["hyperparameters"].update(model_dim=128, head_dim=128)
     path = tmp_path / "other_shape.pt"
-    torch.save(state, path)
+    torch.save(run_support.seal(state, "cycle", "edited", None), path)
     return path
 
 
@@ -427,7 +428,7 @@ def not_a_checkpoint(tmp_path, checkpoint):
 ])
 def test_a_bad_checkpoint_is_one_line_naming_the_file(trained, tmp_path, capsys, make, message):
     path = make(tmp_path, trained[0])
-    assert sample.main([str(path), "--max_new_tokens=5", "--device=cpu"]) == 1
+    assert sample.main([str(path), "--max_new_tokens=5", "--device=cpu"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert len(err.strip().splitlines()) == 1, err
@@ -436,6 +437,6 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file(trained, tmp_path, capsys,
 
 def test_the_tool_exits_non_zero_without_a_traceback(tmp_path):
     proc = run_tool(tmp_path / "missing.pt")
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: {tmp_path / 'missing.pt'}: no such checkpoint") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -12,7 +12,6 @@ import time
 
 STARTED = time.perf_counter()  # the whole run is reported, imports and loading included
 
-import argparse
 import codecs
 import dataclasses
 import sys
@@ -217,7 +216,7 @@ def prompt_tokens(encoding, text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = run_support.OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a .pt file written by train_gpt.py")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     parser.add_argument("--max_new_tokens", type=int, default=500)
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = prompt_tokens(encoding, args.prompt)
     except (train_gpt.ConfigError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     generator = torch.Generator(device).manual_seed(args.seed)
     generated, t0 = 0, time.perf_counter()
     for i in range(args.num_samples):
