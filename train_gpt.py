@@ -258,12 +258,23 @@ def deal_by_cost(costs: list[int], world_size: int) -> list[list[int]]:
 NORMUON_EPS = 1e-10  # the floor of NorMuon's second moments and norms (the record's clamp_min): finite at zero
 
 
-def cautious_update(p: Tensor, update: Tensor, wd_factor: Tensor, lr_factor: Tensor):
+def cautious_update(p: Tensor, update: Tensor, wd_factor: Tensor, lr_factor: Tensor, low_half: Tensor | None = None):
     """p -= lr' (update + lr wd mask p), mask where the update moves p toward zero (or leaves it), in the records'
-    (2025-12-11) one expression; lr_factor and wd_factor are CPU scalars, cast to p's dtype."""
-    mask = (update * p) >= 0
-    wd_factor, lr_factor = wd_factor.to(p.dtype), lr_factor.to(p.dtype)
-    p.copy_(p - (p * mask * wd_factor * lr_factor) - (update * lr_factor))
+    (2025-12-11) one expression; lr_factor and wd_factor are CPU scalars, cast to p's dtype. low_half: p is bfloat16,
+    the high half of a float32 value whose low 16 bits low_half holds (uint16): the update is made on that value, in
+    float32, which p then truncates (the records from 2026-01-04)."""
+    if low_half is None:
+        mask = (update * p) >= 0
+        wd_factor, lr_factor = wd_factor.to(p.dtype), lr_factor.to(p.dtype)
+        p.copy_(p - (p * mask * wd_factor * lr_factor) - (update * lr_factor))
+        return
+    bits = (p.view(torch.uint16).to(torch.int32) << 16) | low_half.to(torch.int32)
+    value, update = bits.view(torch.float32), update.float()
+    mask = (update * value) >= 0
+    wd_factor, lr_factor = wd_factor.to(torch.float32), lr_factor.to(torch.float32)
+    value.copy_(value - (value * mask * wd_factor * lr_factor) - (update * lr_factor))
+    p.view(torch.uint16).copy_((bits >> 16).to(torch.uint16))  # the int32's upper half: its sign bits fall away
+    low_half.copy_(bits.to(torch.uint16))
 
 
 def normalize_neurons(update: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
@@ -278,10 +289,22 @@ def normalize_neurons(update: Tensor, second_moment: Tensor, beta2: float) -> Te
     return update.mul_((step_size * (norm_before / norm_after.clamp_min_(NORMUON_EPS))).type_as(update))
 
 
+def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict):
+    """After Optimizer.load_state_dict, which casts each floating state tensor to its parameter's dtype (a bfloat16
+    matrix's float32 momentum, say): every state tensor as it was saved."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, saved in state_dict["state"].items():
+        for key, value in saved.items():
+            if isinstance(value, Tensor):
+                optimizer.state[params[index]][key] = value.to(params[index].device, copy=True)
+
+
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, then orthogonalization, for hidden matrices (..., rows, cols). Each rank owns the matrices
-    dealt to it by FLOPs, orthogonalizes each alone and all-gathers the updates: the same bits at any world size.
-    lr_mul: {parameter: factor on its lr}, the others 1; add_apart: the parameters whose orthogonalization adds apart."""
+    dealt to it by FLOPs, orthogonalizes and updates each alone and all-gathers the updated values: the same bits at
+    any world size. Its momentum and second moments are float32; a bfloat16 matrix's update is made on its float32
+    value, whose low half the owner keeps (cautious_update). lr_mul: {parameter: factor on its lr}, the others 1;
+    add_apart: the parameters whose orthogonalization adds apart."""
 
     def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
@@ -291,6 +314,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                                      weight_decay=weight_decay))
         self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError("Muon's matrices must share a dtype: the ranks gather them in one")
         self.neuron_beta2 = neuron_beta2
         # The records' per-matrix lr factor, a float32 CPU scalar made once: sqrt(max(1, rows/cols)) of the matrix as
         # they lay it out, (numel/cols, cols), times lr_mul. Each step multiplies it (and wd) by the lr in float32.
@@ -315,45 +340,52 @@ class Muon(torch.optim.Optimizer):
         for p in self.dealt[self.rank]:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            state["momentum_buffer"].lerp_(p.grad.float(), 1 - momentum)
         in_flight = None
         for round_params in self.rounds:
             size = max(p.numel() for p in round_params if p is not None)
             local = round_params[self.rank]
-            out = torch.zeros(size, dtype=self.dtype, device=group["params"][0].device)
+            out = torch.zeros(size, dtype=group["params"][0].dtype, device=group["params"][0].device)
             if local is not None:
-                buf = self.state[local]["momentum_buffer"]
-                update = self.orthogonalize(local.grad.lerp(buf, momentum) if nesterov else buf, self.method, self.dtype,
-                                            local in self.add_apart)
-                out[:local.numel()] = (self._normalize_neurons(local, update) if self.neuron_beta2 else update).flatten()
+                self._update(local, group)
+                out[:local.numel()] = local.flatten()
             if self.world_size > 1:
                 gathered = out.new_empty(size * self.world_size)
                 handle = dist.all_gather_into_tensor(gathered, out, async_op=True)
-            else:
-                gathered, handle = out, None
-            if in_flight is not None:  # apply the previous round while this one is gathered
-                self._apply(*in_flight, group)
-            in_flight = (round_params, gathered, handle, size)
+                if in_flight is not None:  # take the previous round's values while this one is gathered
+                    self._receive(*in_flight)
+                in_flight = (round_params, gathered, handle, size)
         if in_flight is not None:
-            self._apply(*in_flight, group)
+            self._receive(*in_flight)
 
-    def _apply(self, round_params: list, gathered: Tensor, handle, size: int, group: dict):
-        if handle is not None:
-            handle.wait()
-        # Cautious weight decay: lr wd p joins the update only where the update moves p toward zero (or leaves it), so
-        # the step decays p by lr' lr wd, in proportion to lr^2.
+    def _update(self, p: Tensor, group: dict):
+        """Orthogonalizes the Nesterov momentum of p, one of this rank's, normalizes its rows (NorMuon) and updates p.
+        Cautious weight decay: lr wd p joins the update only where the update moves p toward zero (or leaves it), so
+        the step decays p by lr' lr wd, in proportion to lr^2."""
+        state = self.state[p]
+        momentum = state["momentum_buffer"]
+        grad = p.grad.float().lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
+        update = self.orthogonalize(grad, self.method, self.dtype, p in self.add_apart)
+        if self.neuron_beta2:
+            update = self._normalize_neurons(p, update)
+        if p.dtype == torch.bfloat16 and "low_half" not in state:  # its value so far: exactly the bfloat16 one
+            state["low_half"] = torch.zeros_like(p, dtype=torch.uint16)
         wd_factor = self.wd_factor * group["weight_decay"] * group["lr"]
-        for k, p in enumerate(round_params):
-            if p is not None:
-                update = gathered[k * size:k * size + p.numel()].view_as(p)
-                self.update(p, update, wd_factor, self.lr_factor[p] * group["lr"])
+        self.update(p, update, wd_factor, self.lr_factor[p] * group["lr"], state.get("low_half"))
 
     def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
         state = self.state[p]
-        if "neuron_second_moment" not in state:  # one per row of each matrix of the stack
-            state["neuron_second_moment"] = torch.zeros(*p.shape[:-1], 1, dtype=p.dtype, device=p.device)
+        if "neuron_second_moment" not in state:  # one per row of each matrix of the stack, float32 (as from 2026-01-04)
+            state["neuron_second_moment"] = torch.zeros(*p.shape[:-1], 1, dtype=torch.float32, device=p.device)
         return self.normalize(update, state["neuron_second_moment"], self.neuron_beta2)
+
+    def _receive(self, round_params: list, gathered: Tensor, handle, size: int):
+        """The other ranks' matrices of a round, as their owners updated them."""
+        handle.wait()
+        for k, p in enumerate(round_params):
+            if p is not None and k != self.rank:
+                p.copy_(gathered[k * size:k * size + p.numel()].view_as(p))
 
     def state_dict(self) -> dict:
         """Every matrix's state, gathered from its owner: a collective, which every rank calls. Off the
@@ -372,6 +404,7 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict):
         super().load_state_dict(state_dict)
+        restore_state_dtypes(self, state_dict)
         mine = set(self.dealt[self.rank])
         for p in [p for p in self.state if p not in mine]:
             del self.state[p]
@@ -397,9 +430,10 @@ class Adam(torch.optim.Optimizer):
     twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
     CUDA, as in the record. Parameters in idle (the untied embedding, before its untie) are not stepped."""
 
-    def __init__(self, param_groups: list[dict], betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
-                 compiled: bool = False):
-        super().__init__(param_groups, dict(betas=betas, eps=eps, weight_decay=weight_decay, wd_mul=1.0))
+    def __init__(self, param_groups: list[dict], eps: float, weight_decay: float = 0.0, compiled: bool = False):
+        if any("betas" not in group for group in param_groups):
+            raise ValueError("each Adam group names its betas (the records' per parameter kind, from 2026-01-04)")
+        super().__init__(param_groups, dict(eps=eps, weight_decay=weight_decay, wd_mul=1.0))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
         self.idle = set()
         # The step size and decay of each update, computed in double precision as the record's Python floats, then
@@ -430,12 +464,8 @@ class Adam(torch.optim.Optimizer):
         self.state[target] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in self.state[source].items()}
 
     def load_state_dict(self, state_dict: dict):
-        # The base class casts the moments to each parameter's dtype: set them again from the saved ones.
         super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in state_dict["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                self.state[params[index]][key] = saved[key].to(params[index].device, copy=True)
+        restore_state_dtypes(self, state_dict)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -482,23 +512,26 @@ YARN_ALPHA, YARN_BETA = 1, 32  # YaRN's defaults (the record's): rotations over 
 
 
 class Rotary(nn.Module):
-    """Rotary embedding on half of each head's dims, one table for every layer. freqs is a float32 CPU tensor, not a
-    buffer: the tables are made on the CPU and copied, so every device holds the same values. The tables are stored
-    in dtype, rounded from float32, and q and k rotate in it (float32: upcast and cast back, as in the record)."""
+    """Rotary embedding on adjacent pairs of dims (2i, 2i+1) of the first half of each head's, the second half still
+    (the records from 2026-01-07; the halves (i, i + D/4) before), one table for every layer. freqs is a float32 CPU
+    tensor, not a buffer: the tables are made on the CPU and copied, so every device holds the same values. They hold
+    cos and sin (every second entry negated) for twice max_seq_len positions, the paired-head layers' interleaved
+    sequence; they are stored in dtype, rounded from float32, and q and k rotate in it (float32: upcast and back)."""
 
     def __init__(self, head_dim: int, max_seq_len: int, window_unit: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.window_unit = window_unit  # tokens per unit of the windows rescale() is given
         freqs = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
-        self.freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
-        self.cos = nn.Buffer(torch.empty(max_seq_len, head_dim // 2, dtype=dtype), persistent=False)
-        self.sin = nn.Buffer(torch.empty(max_seq_len, head_dim // 2, dtype=dtype), persistent=False)
+        self.freqs = torch.cat([freqs.repeat_interleave(2), freqs.new_zeros(head_dim // 2)])
+        self.cos = nn.Buffer(torch.empty(2 * max_seq_len, head_dim, dtype=dtype), persistent=False)
+        self.sin = nn.Buffer(torch.empty(2 * max_seq_len, head_dim, dtype=dtype), persistent=False)
         self._fill_tables()
 
     def _fill_tables(self):
         theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32), self.freqs)
         self.cos.copy_(theta.cos())
         self.sin.copy_(theta.sin())
+        self.sin[:, 1::2] *= -1
 
     def rescale(self, old_window: int, new_window: int):
         """YaRN (arXiv 2309.00071) as the 2025-09-10 record applies it at a window change (in window units): frequencies
@@ -509,28 +542,38 @@ class Rotary(nn.Module):
         self.freqs *= ratio + blend * (1 - ratio)
         self._fill_tables()
 
-    def forward(self, x: Tensor, positions: int | Tensor = 0) -> Tensor:
-        """x (B, T, H, D) at positions, the first one's (the others follow it) or each token's (T,)."""
+    def forward(self, x: Tensor, positions: int | Tensor = 0, paired: bool = False) -> Tensor:
+        """x (B, T, H, D) at positions, the first one's (the others follow it) or each token's (T,). paired: x is
+        (B, T, H/2, 2D), each pair of heads one vector whose halves turn at positions 2t and 2t + 1 (the records'
+        paired-head layers from 2026-01-07)."""
+        cos, sin = (self.cos, self.sin) if not paired else (self.cos.view(-1, 2 * self.cos.size(1)),
+                                                            self.sin.view(-1, 2 * self.sin.size(1)))
         at = slice(positions, positions + x.size(-3)) if isinstance(positions, int) else positions
-        cos, sin = self.cos[None, at, None, :], self.sin[None, at, None, :]
-        x1, x2 = x.to(self.cos.dtype).chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), dim=-1).type_as(x)
+        cos, sin = cos[None, at, None, :], sin[None, at, None, :]
+        rotated = x.to(cos.dtype)
+        swapped = rotated.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+        return (cos * rotated + sin * swapped).type_as(x)
 
 
-def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int = 0):
-    """Causal attention within documents (each starts at EOT_TOKEN) to keys at most window tokens back: a BlockMask
-    for backend "flex", a dense (T, T) boolean mask of exactly its pairs for "sdpa" (generation: rows from first_query)."""
+def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int = 0, paired: bool = False):
+    """Causal attention within documents (each starts at EOT_TOKEN) to keys at most window positions back: a BlockMask
+    for backend "flex", a dense boolean mask of exactly its pairs for "sdpa" (generation: rows from first_query's).
+    paired: over the paired-head layers' sequence, each token twice in a row (two positions of its document)."""
     docs = (tokens == EOT_TOKEN).cumsum(0)
+    per_token = 2 if paired else 1  # positions of each token
 
     def allowed(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & (docs[q_idx] == docs[kv_idx])
+        same_doc = docs[q_idx // 2] == docs[kv_idx // 2] if paired else docs[q_idx] == docs[kv_idx]
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) & same_doc
 
     if backend != "flex":
-        pos = torch.arange(tokens.numel(), device=tokens.device)
-        return allowed(None, None, pos[first_query:, None], pos[None, :])
+        pos = torch.arange(per_token * tokens.numel(), device=tokens.device)
+        return allowed(None, None, pos[per_token * first_query:, None], pos[None, :])
     # Per (query block, key block): full when every pair is allowed, partial when some may be.
-    num_blocks = tokens.numel() // BLOCK_SIZE
-    first, last = docs.view(num_blocks, BLOCK_SIZE)[:, 0], docs.view(num_blocks, BLOCK_SIZE)[:, -1]
+    position_docs = docs.repeat_interleave(per_token) if paired else docs
+    num_blocks = position_docs.numel() // BLOCK_SIZE
+    first = position_docs.view(num_blocks, BLOCK_SIZE)[:, 0]
+    last = position_docs.view(num_blocks, BLOCK_SIZE)[:, -1]
     blocks = torch.arange(num_blocks, device=tokens.device)
     distance = BLOCK_SIZE * (blocks[:, None] - blocks)  # between the blocks' first tokens
     some = (distance >= 0) & (distance - (BLOCK_SIZE - 1) <= window) & (first[:, None] <= last) & (last[:, None] >= first)
@@ -544,11 +587,14 @@ def attention_mask(tokens: Tensor, window: int, backend: str, first_query: int =
 
 
 def attention_masks(tokens: Tensor, window: int, backend: str, first_query: int = 0, unit: int = BLOCK_SIZE,
-                    long_window: int | None = None) -> tuple:
-    """The masks of the long- and short-window layers for a long window of window units of unit tokens:
-    that many units (or long_window's), and half of window (rounded down) for the short one."""
-    return tuple(attention_mask(tokens, units * unit, backend, first_query)
-                 for units in (long_window or window, window // 2))
+                    long_window: int | None = None, paired: bool = False) -> dict[tuple[bool, bool], object]:
+    """The mask of each kind of layer, by (paired, long), for a long window of window units of unit tokens: that many
+    units (or long_window's) for the long layers, half of window (rounded down) for the short ones, as many positions
+    in the paired-head layers' sequence (the record's window in tokens: half as many tokens there); paired: those
+    layers' masks too."""
+    return {(pair, long): attention_mask(tokens, (long_window or window if long else window // 2) * unit, backend,
+                                         first_query, pair)
+            for pair in ((False, True) if paired else (False,)) for long in (True, False)}
 
 
 # Dense-mask attention runs this many queries at a time, each block against the keys up to its last
@@ -596,9 +642,10 @@ BACKOUT_LAMBDA_INIT = 0.5  # the records' backout starts by taking out half of t
 
 
 def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
-    """Keys k (B, T, H, D) whose rotary-stationary dims (the second quarter of each half) hold the previous position's,
-    across documents (the 2025-12-14 record's partial key offset), out of place. The first position keeps its own, or
-    takes before (B, 1, H, D), generation's previous raw key; so does each position where restarts (T,) is true."""
+    """Keys k (B, T, H, D) whose second and fourth quarters hold the previous position's, across documents (the
+    2025-12-14 record's partial key offset, out of place): the rotary's stationary dims until 2026-01-07 made the
+    first half turn in pairs, and the records kept the quarters. The first position keeps its own, or takes before
+    (B, 1, H, D), generation's previous raw key; so does each position where restarts (T,) is true."""
     previous = torch.cat([k[:, :1] if before is None else before, k[:, :-1]], dim=1)
     if restarts is not None:
         previous = torch.where(restarts[None, :, None, None], k, previous)
@@ -607,15 +654,21 @@ def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention, its q, k, v and output projection one matrix (4, D, D) in matrix_dtype (the records'
+    bf16 from 2026-01-04, drawn in it). paired: the heads attend in pairs over a sequence twice as long (the records
+    from 2026-01-07): for each token, the first half of its heads' q, k, v rows at position 2t and the second half at
+    2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1) turns as one vector at 2t and 2t + 1."""
+
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False,
-                 key_offset: bool = False, init_std_scale: float = 0.5):
+                 key_offset: bool = False, init_std_scale: float = 0.5, paired: bool = False,
+                 matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.num_heads, self.head_dim, self.key_offset = num_heads, head_dim, key_offset
+        self.num_heads, self.head_dim, self.key_offset, self.paired = num_heads, head_dim, key_offset, paired
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
         bound = init_bound(model_dim, init_std_scale)
         # q, k, v and the output projection in one parameter (one Muon matrix each); the output starts at zero.
-        self.qkvo_w = nn.Parameter(torch.empty(4, model_dim, model_dim))
+        self.qkvo_w = nn.Parameter(torch.empty(4, model_dim, model_dim, dtype=matrix_dtype))
         with torch.no_grad():
             self.qkvo_w[:3].uniform_(-bound, bound)
             self.qkvo_w[3].zero_()
@@ -630,10 +683,16 @@ class CausalSelfAttention(nn.Module):
         """lambdas: (on q, k and v's weights, on the output projection's); cache: generation's hook (tools/sample.py),
         holding this layer's earlier keys and values; positions: x's for the rotary (Rotary.forward); restarts:
         evaluation's (GPT.trunk)."""
-        B, T = x.size(0), x.size(1)
+        B, T, H, D = x.size(0), x.size(1), self.num_heads, self.head_dim
         qkv = F.linear(x, lambdas[0] * self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
-        q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
-        q, k = rotary(norm(q), positions), rotary(norm(k), positions)
+        q, k, v = qkv.view(B, T, 3 * H, D).chunk(3, dim=-2)
+        q, k = norm(q), norm(k)
+        if self.paired:
+            q = rotary(q.view(B, T, H // 2, 2 * D), positions, paired=True).view(B, 2 * T, H // 2, D)
+            k = rotary(k.view(B, T, H // 2, 2 * D), positions, paired=True).view(B, 2 * T, H // 2, D)
+            v = v.reshape(B, 2 * T, H // 2, D)
+        else:
+            q, k = rotary(q, positions), rotary(k, positions)
         if self.key_offset:
             before = cache.last_key if cache is not None and cache.length else None
             if cache is not None:
@@ -642,25 +701,25 @@ class CausalSelfAttention(nn.Module):
         if ve is not None and self.ve_gate is None:
             v = v + ve.view_as(v)
         elif ve is not None:
-            v = v + 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))[..., None] * ve.view_as(v)
+            v = v + 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features])).view(*v.shape[:-1], 1) * ve.view_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
-        y = attend(q, k, v, mask, scale).transpose(1, 2)
+        y = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H, D)
         if self.attn_gate is not None:
-            y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, self.num_heads, 1)
+            y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
         return F.linear(y.reshape(B, T, -1), lambdas[1] * self.qkvo_w[3].type_as(y))
 
 
 class MLP(nn.Module):
-    """Both matrices stored (4 model_dim, model_dim), one row per hidden unit, the down-projection applied transposed
-    (the records from 2025-12-11: their draws, and NorMuon's rows)."""
+    """Both matrices stored (4 model_dim, model_dim) in matrix_dtype, one row per hidden unit, the down-projection
+    applied transposed (the records from 2025-12-11: their draws, and NorMuon's rows)."""
 
-    def __init__(self, model_dim: int):
+    def __init__(self, model_dim: int, matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
         bound = init_bound(model_dim)
-        self.c_fc = nn.Parameter(torch.empty(4 * model_dim, model_dim).uniform_(-bound, bound))
-        self.c_proj = nn.Parameter(torch.zeros(4 * model_dim, model_dim))
+        self.c_fc = nn.Parameter(torch.empty(4 * model_dim, model_dim, dtype=matrix_dtype).uniform_(-bound, bound))
+        self.c_proj = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
@@ -669,11 +728,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, attn_gate: bool = False,
-                 ve_gate: bool = False, key_offset: bool = False, attn_init_std: float = 0.5):
+                 ve_gate: bool = False, key_offset: bool = False, attn_init_std: float = 0.5, paired: bool = False,
+                 matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset, attn_init_std)
-                     if has_attention else None)
-        self.mlp = MLP(model_dim)
+        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset, attn_init_std,
+                                         paired, matrix_dtype) if has_attention else None)
+        self.mlp = MLP(model_dim, matrix_dtype)
 
     def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, resid_lambda: Tensor, x0_lambda: Tensor,
                 attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0,
@@ -830,6 +890,7 @@ class GPT(nn.Module):
                  attn_init_std: float = 0.5, head_init_std: float = 0.0, logit_cap: float = LOGIT_SOFTCAP,
                  logit_offset: float = LOGIT_OFFSET,
                  rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
+                 matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (),
                  softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
@@ -852,9 +913,15 @@ class GPT(nn.Module):
         with torch.no_grad():  # zero after their draws, which keeps every later draw in its place (records from 2025-12-14)
             for table in value_embeds:
                 table.weight.zero_()
+        self.paired = [i in paired_layers for i in range(num_layers)]
+        if any(self.paired[i] and (i == no_attention or key_offset and self.long_window[i] or num_heads % 2)
+               for i in range(num_layers)):
+            raise ValueError(f"paired_head_layers={','.join(map(str, paired_layers))}: pairs of heads (an even number) "
+                             f"in layers with attention and without the key offset (not the long-window layers "
+                             f"{[i for i, long in enumerate(self.long_window) if long]} while key_offset is on)")
         blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, attn_gates,
                                      value_embed_gates and self.ve_layout[i] is not None,
-                                     key_offset and self.long_window[i], attn_init_std)
+                                     key_offset and self.long_window[i], attn_init_std, self.paired[i], matrix_dtype)
                                for i in range(num_layers))
         self.logit_cap, self.logit_offset = logit_cap, logit_offset
         lm_head = CastedLinear(model_dim, padded_vocab, lm_head_fp8_scales(fp8_grad_scale, logit_cap) if fp8 else None)
@@ -932,8 +999,8 @@ class GPT(nn.Module):
         resid_lambdas = self.scalars[:L]
         attn_lambdas = self.scalars[L:3 * L].view(L, 2)
         skip_weights = self.scalars[self.scalars.numel() - S:]
-        long_mask, short_mask = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
-                                                         long_window=long_window)
+        masks = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
+                                         long_window=long_window, paired=any(self.paired))
         scale = self.attention_scales[window]
         ve = [table(tokens)[None] for table in self.value_embeds]
         positions = 0 if cache is None else len(cache)
@@ -958,7 +1025,7 @@ class GPT(nn.Module):
                 x = x + gate * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0 if i else None, layer_ve, resid_lambdas[i], self.x0_lambdas[i], attn_lambdas[i],
-                               long_mask if self.long_window[i] else short_mask, self.rotary, scale,
+                               masks[self.paired[i], self.long_window[i]], self.rotary, scale,
                                None if cache is None else cache.layers[i], positions, restarts)
             if i in partners:
                 skips[partners[i]] = x
@@ -1280,7 +1347,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2025-12-31 GatesToCompiledAdam); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2026-01-07 PairedHeadAttention); presets override some of them
 
 
 @dataclass
@@ -1294,7 +1361,7 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 1825  # optimizer steps
+    num_iterations: int = 1775  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
     cooldown_frac: float = 0.5  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
     lr_stage_peaks: tuple = (1.0, 1.52, 1.73)  # lr multiplier before the cooldown in each equal part of the scheduled steps, from the step after a part begins (records from 2025-11-29)
@@ -1321,6 +1388,7 @@ class Hyperparameters:
     skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
+    paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
     attn_init_std: float = 1.0  # q, k, v weights start uniform with std attn_init_std / sqrt(model_dim) (records from 2025-12-22; 0.5 before)
     head_init_std: float = 0.005  # the lm_head's weights start normal with this std (records from 2025-12-19); 0: zero
     untie_embed_frac: float = 2 / 3  # the input embedding is the lm_head's weight until the first Adam step from this fraction of the scheduled steps, then a copy of it and its Adam state (records from 2025-12-22); 0: its own from the start
@@ -1328,6 +1396,7 @@ class Hyperparameters:
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
+    matrices_in_run_dtype: bool = True  # the attention and MLP matrices stored in the run's dtype (bf16), Muon updating their float32 values (records from 2026-01-04)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
     loss_in_run_dtype: bool = True  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
     attention_scale: float = 0.1  # softmax scale in the first window stage
@@ -1340,11 +1409,11 @@ class Hyperparameters:
     gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
     skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
-    adam_beta1: float = 0.65  # Adam first-moment decay
-    adam_beta2: float = 0.95  # Adam second-moment decay
-    scalar_beta1: float = 0.9  # the scalars' Adam first-moment decay, but for the x0 lambdas (records from 2025-12-21)
-    scalar_beta2: float = 0.99  # the scalars' Adam second-moment decay
-    adam_eps: float = 1e-8  # Adam epsilon
+    head_betas: tuple = (0.5, 0.95)  # Adam's betas for the lm_head and the embedding (betas by parameter kind: records from 2026-01-04)
+    value_embed_betas: tuple = (0.75, 0.95)  # Adam's betas for the value embeddings
+    gate_betas: tuple = (0.9, 0.99)  # Adam's betas for the gates and the scalars (the scalars': records from 2025-12-21)
+    x0_betas: tuple = (0.65, 0.95)  # Adam's betas for the x0 lambdas
+    adam_eps: float = 1e-10  # Adam epsilon
     adam_cautious_wd: float = 0.005  # Adam's cautious weight decay, times lr^2 and each group's ADAM_WD_MULS (records from 2025-12-18); 0: off
     adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
     muon_lr: float = 0.023  # Muon lr for hidden matrices
@@ -1424,8 +1493,12 @@ PRESETS = {
         mtp_weights=(1.0,),
         logit_cap=30.0,
         logit_offset=0.0,
-        scalar_beta1=0.8,
-        scalar_beta2=0.95,
+        head_betas=(0.8, 0.95),
+        value_embed_betas=(0.8, 0.95),
+        gate_betas=(0.8, 0.95),
+        x0_betas=(0.8, 0.95),
+        paired_head_layers="none",
+        matrices_in_run_dtype=False,
         adam_cautious_wd=0.0,
         key_offset=False,
         extension_steps=0,
@@ -1433,8 +1506,6 @@ PRESETS = {
         rotary_in_run_dtype=False,
         head_and_gates_in_run_dtype=False,
         loss_in_run_dtype=False,
-        adam_beta1=0.8,
-        adam_eps=1e-10,
         muon_lr=0.025,  # the 2025-12-11 layouts double attention's and the MLPs' lr: their steps as measured at 0.05
         muon_momentum_cooldown_steps=0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
@@ -1461,16 +1532,27 @@ RESUMABLE_CHANGES = {"run_id", "log_dir", "checkpoint_dir", "save_checkpoint", "
                      "exact_grad_sum"}
 
 
+def layer_indices(args: Hyperparameters, name: str, allowed: range, choices: str) -> tuple[int, ...]:
+    """The comma-separated layers of setting name, each in allowed, or a ConfigError naming the choices."""
+    text = getattr(args, name)
+    layers = tuple(int(i) for i in text.split(",") if i.isdigit())
+    if len(layers) != len(text.split(",")) or any(i not in allowed for i in layers):
+        raise ConfigError(f"{name}={text}: {choices}, comma-separated ({allowed.start} to {allowed.stop - 1} here)")
+    return layers
+
+
 def skip_layers(args: Hyperparameters) -> tuple[int, ...] | None:
     """args.skip_layers as GPT takes it (None: all); a ConfigError unless all, none, or decoder layers with a partner."""
     if args.skip_layers in ("all", "none"):
         return None if args.skip_layers == "all" else ()
-    decoder = skip_receivers(args.num_layers)
-    layers = tuple(int(i) for i in args.skip_layers.split(",") if i.isdigit())
-    if len(layers) != len(args.skip_layers.split(",")) or any(i not in decoder for i in layers):
-        raise ConfigError(f"skip_layers={args.skip_layers}: all, none, or decoder layers with a partner, comma-separated "
-                          f"({decoder.start} to {decoder.stop - 1} here)")
-    return layers
+    return layer_indices(args, "skip_layers", skip_receivers(args.num_layers), "all, none, or decoder layers with a partner")
+
+
+def paired_head_layers(args: Hyperparameters) -> tuple[int, ...]:
+    """args.paired_head_layers as GPT takes it; a ConfigError unless none or layers of the model."""
+    if args.paired_head_layers == "none":
+        return ()
+    return layer_indices(args, "paired_head_layers", range(args.num_layers), "none, or layers")
 
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
@@ -1552,6 +1634,16 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"backout_layer={args.backout_layer} must be a layer below num_layers={args.num_layers}, or -1 "
                           f"for none")
     skip_layers(args)
+    paired = paired_head_layers(args)
+    unpairable = [i for i in paired if i == attention_free_layer(args.num_layers, args.value_embed_layout)
+                  or args.key_offset and long_window_layers(args.num_layers)[i]]
+    if paired and args.num_heads % 2 or unpairable:
+        raise ConfigError(f"paired_head_layers={args.paired_head_layers}: pairs of heads need an even num_heads (got "
+                          f"{args.num_heads}) and layers with attention and no key offset (not {unpairable})")
+    for name in ("head_betas", "value_embed_betas", "gate_betas", "x0_betas"):
+        betas = getattr(args, name)
+        if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+            raise ConfigError(f"{name}={','.join(map(str, betas))} must be two numbers within [0, 1)")
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
@@ -1680,6 +1772,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                logit_cap=args.logit_cap, logit_offset=args.logit_offset,
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
                linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
+               matrix_dtype=DTYPES[plan.dtype] if plan and args.matrices_in_run_dtype else torch.float32,
+               paired_layers=paired_head_layers(args),
                softcap_in_run_dtype=args.loss_in_run_dtype,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
@@ -1698,17 +1792,20 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
     compiled = plan is not None and plan.compile_optimizers
     groups = [
-        dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"]),
-        dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"]),
-        dict(params=[t.weight for t in model.value_embeds], lr=args.value_embed_lr, wd_mul=ADAM_WD_MULS["value_embeds"]),
-        dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"]),
-        dict(params=[g.weight for g in (model.smear_gate,) if g is not None], lr=args.smear_gate_lr, wd_mul=0.0),
-        dict(params=[g.weight for g in (model.skip_gate,) if g is not None], lr=args.skip_gate_lr, wd_mul=0.0),
-        dict(params=[model.x0_lambdas], lr=args.scalar_lr, wd_mul=0.0),
-        dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=(args.scalar_beta1, args.scalar_beta2)),
+        dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=args.head_betas),
+        dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"], betas=args.head_betas),
+        dict(params=[t.weight for t in model.value_embeds], lr=args.value_embed_lr, wd_mul=ADAM_WD_MULS["value_embeds"],
+             betas=args.value_embed_betas),
+        dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=args.gate_betas),
+        dict(params=[g.weight for g in (model.smear_gate,) if g is not None], lr=args.smear_gate_lr, wd_mul=0.0,
+             betas=args.gate_betas),
+        dict(params=[g.weight for g in (model.skip_gate,) if g is not None], lr=args.skip_gate_lr, wd_mul=0.0,
+             betas=args.gate_betas),
+        dict(params=[model.x0_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=args.x0_betas),
+        dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=args.gate_betas),
     ]
-    adam = Adam([group for group in groups if group["params"]], betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_eps, weight_decay=args.adam_cautious_wd, compiled=compiled)
+    adam = Adam([group for group in groups if group["params"]], eps=args.adam_eps, weight_decay=args.adam_cautious_wd,
+                compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
                 neuron_beta2=args.muon_neuron_beta2, weight_decay=args.muon_cautious_wd,

@@ -112,6 +112,7 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 EXACT_FUNCTIONS = {"__getitem__", "__get__", "size", "numel", "dim", "view", "view_as", "reshape", "flatten", "transpose",
                    "permute", "unsqueeze", "squeeze", "expand", "contiguous", "chunk", "split", "unbind", "cat", "stack",
                    "embedding", "relu", "neg", "__neg__", "clone", "detach", "masked_fill", "arange", "zeros", "ones",
+                   "flip", "unflatten",
                    "float", "type_as", "to"}
 ONE_ROUNDING = {"add", "sub", "mul", "div", "square", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                 "__truediv__"}

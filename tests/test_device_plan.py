@@ -49,11 +49,12 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     assert eager.attention == "flex" and not eager.compile
     assert ("attention: FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps "
             "the rest eager)") in eager.lines
-    small = dataclasses.replace(args, model_dim=64, num_heads=1, head_dim=64, vocab_size=1000)
+    small = dataclasses.replace(args, model_dim=64, num_heads=2, head_dim=32, vocab_size=1000)
     model = train_gpt.build_model(small, 256, plan)  # built on the CPU, as the Trainer builds it before moving it
     assert model.attention_backend == "flex" and model.loss_chunk == 0
     assert model.lm_head.fp8_scales == train_gpt.lm_head_fp8_scales("record")
     assert model.embed.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16  # the record's bf16 head
+    assert {p.dtype for block in model.blocks for p in block.mlp.parameters()} == {torch.bfloat16}  # and matrices
     adam, muon = train_gpt.build_optimizers(model, small, plan=plan)
     assert muon.orthogonalize is train_gpt.compiled_on_first_use(train_gpt.orthogonalize)
     assert adam.update is train_gpt.compiled_on_first_use(train_gpt.adam_update)

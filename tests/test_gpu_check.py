@@ -26,11 +26,11 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
                       "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
-    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2025-12-31 record (GatesToCompiledAdam) "
-                                          "computes: val 3.2789 at step 1825 after 113.0 s of training on 8xH100, the "
-                                          "means of its 10 published logs, unmeasured by us.")
+    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2026-01-07 record (PairedHeadAttention) "
+                                          "computes: val 3.2788 at step 1775 after 108.8 s of training on 8xH100, the "
+                                          "means of its 5 published logs, unmeasured by us.")
     if flex == "PASS":
-        assert "windows of 128, 129, 334, 384 tokens at scales 0.1000" in rows["flex forward"]
+        assert "windows of 128, 129, 334, 384 tokens (paired heads: 128) at scales 0.1000" in rows["flex forward"]
     else:
         assert "needs AVX2 and ATEN_CPU_CAPABILITY other than default" in rows["flex forward"]
     assert proc.stdout.splitlines()[-1] == ("4 passed, 0 failed, 2 skipped" if flex == "PASS" else
@@ -58,8 +58,8 @@ def test_a_wrong_fp8_result_fails(monkeypatch):
 def test_a_wrong_flex_result_fails(monkeypatch):
     """FlexAttention against a dense mask whose window holds one key more per query."""
     real = train_gpt.attention_mask
-    monkeypatch.setattr(train_gpt, "attention_mask", lambda tokens, window, backend, *rest:
-                        real(tokens, window + 1 if backend == "sdpa" else window, backend, *rest))
+    monkeypatch.setattr(train_gpt, "attention_mask", lambda tokens, window, backend, *rest, **kwargs:
+                        real(tokens, window + 1 if backend == "sdpa" else window, backend, *rest, **kwargs))
     with pytest.raises(AssertionError, match="relative error"):
         gpu_check.check_flex(torch.device("cpu"), 256, backward=False, heads=1, head_dim=32, stages=1)
 
@@ -102,15 +102,20 @@ def test_the_bench_report_projects_the_run_from_each_stage(monkeypatch):
                                          "--final_window=3", "--batch_slots=8", "--seq_len=256,512", "--window_unit=32"],
                                         "cpu")
     assert {w: len(s) for w, s in gpu_check.stage_steps(args).items()} == {(256, 1): 3, (512, 2): 3, (512, 3): 1}
-    result = dict(stages=[(256, 1, 100.0, 1e3), (512, 2, 200.0, 2e3), (512, 3, 300.0, 3e3)],
+    result = dict(stages=[(256, 1, 100.0, 1e3, 2, 31.5), (512, 2, 200.0, 2e3, 2, 20.0), (512, 3, 300.0, 3e3, 2, 9.25)],
                   peak_memory="peak memory (RSS): 1 MiB", dtype="float32", compile=False, micro_steps=4)
     lines = gpu_check.bench_report(args, preset, result, 2, torch.device("cpu")).splitlines()
     # by hand: the step's tokens over its time, then times the FLOPs per token over the processes' summed peak
     assert lines[0].startswith("bench: preset cpu, 4 layers x 128, 8 x 256/512 tokens a step; 2 process(es)")
-    assert lines[1] == "8 x 256 tokens, window 1 (32 tokens), 3 steps: 100.0 ms/step, 20,480 tokens/s, MFU 1.0%"
-    assert lines[2] == "8 x 512 tokens, window 2 (64 tokens), 3 steps: 200.0 ms/step, 20,480 tokens/s, MFU 2.0%"
-    assert lines[3] == "8 x 512 tokens, window 3 (96 tokens), 1 steps: 300.0 ms/step, 13,653 tokens/s, MFU 2.0%"
+    assert lines[1] == ("8 x 256 tokens, window 1 (32 tokens), 3 steps: 100.0 ms/step, 20,480 tokens/s, MFU 1.0%; its 2 "
+                        "untimed steps, which compile, 31.5 s")
+    assert lines[2].startswith("8 x 512 tokens, window 2 (64 tokens), 3 steps: 200.0 ms/step, 20,480 tokens/s, MFU 2.0%")
+    assert lines[3].startswith("8 x 512 tokens, window 3 (96 tokens), 1 steps: 300.0 ms/step, 13,653 tokens/s, MFU 2.0%")
     assert lines[5].startswith("projected training time of 7 steps: 1.2 s here, 0.3 s on 8 such GPUs (assumed: ")
+    # one stage alone (--stage=2): its 3 steps projected
+    alone = gpu_check.bench_report(args, preset, dict(result, stages=result["stages"][1:2]), 2, torch.device("cpu"))
+    assert alone.splitlines()[3].startswith("projected training time of the 3 steps of the stage timed (of 7): 0.6 s "
+                                            "here, 0.1 s on 8 such GPUs")  # 0.15, printed to one decimal
 
 
 def test_the_bench_runs_real_steps_on_two_processes(capsys):
@@ -124,6 +129,16 @@ def test_the_bench_runs_real_steps_on_two_processes(capsys):
     projected = float(report[4].split(": ")[1].split(" s here")[0])
     assert min(ms) > 0 and abs(projected - (3 * ms[0] + 3 * ms[1]) / 1000) <= 0.05 + 6 * 0.05 / 1000  # printed roundings
     assert "on 8 such GPUs" not in report[4]  # 2 slots cannot be split over 8
+
+
+def test_the_bench_times_one_stage_alone():
+    """--stage=2: the second stage's steps alone, in one process, their compilation beside their step time; a stage
+    past the run's last refused in one line."""
+    report = gpu_check.bench_main([*BENCH_RUN, "--stage=2"]).splitlines()
+    assert report[1].startswith("2 x 256 tokens, window 2 (64 tokens), 3 steps: ") and "untimed steps, which compile, " in report[1]
+    assert report[3].startswith("projected training time of the 3 steps of the stage timed (of 6): ")
+    with pytest.raises(train_gpt.ConfigError, match=r"--stage=3: the run has 2 stages \(1 to 2\)"):
+        gpu_check.bench_main([*BENCH_RUN, "--stage=3"])
 
 
 def test_the_bench_refuses_a_vocabulary_without_end_of_text():

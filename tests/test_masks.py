@@ -48,12 +48,13 @@ def make_tokens(kind, T, seed):
 TOKEN_KINDS = ["none", "few", "many", "block_edges", "before_edges", "long_document"]
 
 
-def per_query_loop(tokens, window):
-    """(T, T) booleans from a loop over each query's keys."""
+def per_query_loop(tokens, window, repeats=1):
+    """(T, T) booleans from a loop over each query's keys; repeats: each token that many positions in a row (the
+    paired-head layers' sequence: 2)."""
     doc, docs = 0, []
     for token in tokens.tolist():
         doc += token == EOT
-        docs.append(doc)
+        docs += [doc] * repeats
     rows = []
     for q in range(len(docs)):
         row = [False] * len(docs)
@@ -69,8 +70,8 @@ def tokens_of(kind):
 
 
 @functools.cache
-def loop_mask(kind, window):
-    return per_query_loop(tokens_of(kind), window)
+def loop_mask(kind, window, repeats=1):
+    return per_query_loop(tokens_of(kind), window, repeats)
 
 
 def test_the_loop_itself():
@@ -132,20 +133,38 @@ def test_block_mask_visits_exactly_the_loops_pairs(kind):
         assert torch.equal(full_blocks, all_pairs), (kind, window)
 
 
+@pytest.mark.parametrize("kind", ["many", "block_edges", "long_document"])
+def test_paired_masks_equal_the_loop_over_each_token_twice(kind):
+    """The paired-head layers' masks: over 2T positions, each token's two in a row in its document, the window in
+    positions (the record's FA3 call on doubled cu_seqlens): dense, block mask, and generation's rows."""
+    for window in WINDOWS:
+        expected = loop_mask(kind, window, 2)
+        dense = train_gpt.attention_mask(tokens_of(kind), window, "sdpa", paired=True)
+        assert dense.shape == (2 * T, 2 * T) and torch.equal(dense, expected), (kind, window)
+        assert torch.equal(visited_pairs(train_gpt.attention_mask(tokens_of(kind), window, "flex", paired=True))[0],
+                           expected), (kind, window)
+    rows = train_gpt.attention_mask(tokens_of(kind), 129, "sdpa", first_query=300, paired=True)
+    assert torch.equal(rows, loop_mask(kind, 129, 2)[600:])
+
+
 def test_long_and_short_masks():
     """attention_masks(): the long window is window_blocks blocks of tokens, the short one half as many
-    blocks rounded down; 0 blocks leave each query its own key alone."""
+    blocks rounded down; 0 blocks leave each query its own key alone; the paired-head layers' kinds when asked."""
     tokens = tokens_of("long_document")
     for window_blocks, short_tokens in [(1, 0), (3, 128), (7, 384)]:
         for backend in ("sdpa", "flex"):
-            long, short = train_gpt.attention_masks(tokens, window_blocks, backend)
+            masks = train_gpt.attention_masks(tokens, window_blocks, backend, paired=True)
             if backend == "flex":
-                long, short = visited_pairs(long)[0], visited_pairs(short)[0]
-            assert torch.equal(long, loop_mask("long_document", window_blocks * BLOCK))
-            assert torch.equal(short, loop_mask("long_document", short_tokens))
+                masks = {kind: visited_pairs(mask)[0] for kind, mask in masks.items()}
+            for paired in (False, True):
+                repeats = 2 if paired else 1
+                assert torch.equal(masks[paired, True], loop_mask("long_document", window_blocks * BLOCK, repeats))
+                assert torch.equal(masks[paired, False], loop_mask("long_document", short_tokens, repeats))
+    assert set(train_gpt.attention_masks(tokens, 3, "sdpa")) == {(False, True), (False, False)}
     # in units of another size (window_unit): 5 units of 24 tokens, the short window 2 of them
-    long, short = train_gpt.attention_masks(tokens, 5, "sdpa", unit=24)
-    assert torch.equal(long, loop_mask("long_document", 120)) and torch.equal(short, loop_mask("long_document", 48))
+    masks = train_gpt.attention_masks(tokens, 5, "sdpa", unit=24)
+    assert torch.equal(masks[False, True], loop_mask("long_document", 120))
+    assert torch.equal(masks[False, False], loop_mask("long_document", 48))
 
 
 HEADS, HEAD_DIM = 2, 16

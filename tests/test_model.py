@@ -29,14 +29,16 @@ WINDOWS = (1, 2, 4)  # the long windows (in blocks) the tests' models know: each
 
 # The 2025-09-10 record's layout at a few layers (no smear, ungated U-net skips, no backout, no key offset): the
 # records' later layout needs its skip's and backout's layers among the model's.
-EARLIER_STRUCTURE = dict(smear=False, skip_gates=False, skip_layers="all", backout_layer=-1, key_offset=False)
+EARLIER_STRUCTURE = dict(smear=False, skip_gates=False, skip_layers="all", backout_layer=-1, key_offset=False,
+                         paired_head_layers="none")
 
 
-def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, loss_chunk=0, key_offset=False):
+def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, loss_chunk=0, key_offset=False, paired_layers=()):
     """Width 32, 2 heads of 16 (a multiple of 4, as rotary needs)."""
     torch.manual_seed(seed)
     return train_gpt.GPT(vocab, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
-                         attention_backend=backend, loss_chunk=loss_chunk, key_offset=key_offset, windows=WINDOWS)
+                         attention_backend=backend, loss_chunk=loss_chunk, key_offset=key_offset, windows=WINDOWS,
+                         paired_layers=paired_layers)
 
 
 def randomize_(model, seed=1):
@@ -155,7 +157,7 @@ def test_unet_wiring(depth):
     with torch.no_grad():
         model(tokens, targets, window)
         x0 = train_gpt.norm(model.embed(tokens)[None])
-        long, short = train_gpt.attention_masks(tokens, window, "sdpa")
+        masks = train_gpt.attention_masks(tokens, window, "sdpa")
         skip = model.scalars[3 * L:]
         for i in range(L):
             x, block_x0, ve, _, _, _, mask, rotary, scale = inputs[i][:9]
@@ -165,7 +167,7 @@ def test_unet_wiring(depth):
                 assert ve is None
             else:
                 torch.testing.assert_close(ve, model.value_embeds[table](tokens)[None], atol=0, rtol=0)
-            assert torch.equal(mask, long if i in LAYOUTS[L]["long"] else short)
+            assert torch.equal(mask, masks[False, i in LAYOUTS[L]["long"]])
             if i == 0:
                 assert block_x0 is None
                 torch.testing.assert_close(x, x0, atol=0, rtol=0)
@@ -194,18 +196,20 @@ def offset_by_loop(k, before=None, restarts=None):
     return out
 
 
-def test_offset_keys_moves_the_stationary_dims_one_position_on():
+def test_offset_keys_moves_the_second_and_fourth_quarters_one_position_on():
     """offset_keys against offset_by_loop on random keys (2, 9, 3, 16), without and with a key before and restarts
-    (at 0, 4 and 5): equal, values moved whole. The moved dims are exactly those rotary leaves still (frequency zero).
-    Gradients: each position's moved dims get the next position's incoming gradient, a restart's also its own, and
-    before the first position's; autograd through the loop's copies gives the same sums of at most two terms: equal."""
+    (at 0, 4 and 5): equal, values moved whole. The moved dims, the second and fourth quarters, were those rotary left
+    still until it turned adjacent pairs (2026-01-07): now the second quarter turns, the fourth is still, as in the
+    records until 2026-01-19. Gradients: each position's moved dims get the next position's incoming gradient, a
+    restart's also its own, and before the first position's; autograd through the loop's copies gives the same sums of
+    at most two terms: equal."""
     g = torch.Generator().manual_seed(0)
     k, before = torch.randn(2, 9, 3, 16, generator=g), torch.randn(2, 1, 3, 16, generator=g)
     restarts = torch.zeros(9, dtype=torch.bool)
     restarts[[0, 4, 5]] = True
     rotary = train_gpt.Rotary(16, max_seq_len=9)
-    still = [d for d in range(16) if rotary.freqs[d % 8] == 0]
-    assert still == [*range(4, 8), *range(12, 16)]
+    still = [*range(4, 8), *range(12, 16)]  # the moved dims
+    assert [d for d in range(16) if rotary.freqs[d] == 0] == [*range(8, 16)] and rotary.freqs[4:8].all()
     for kwargs in (dict(), dict(before=before), dict(restarts=restarts), dict(before=before, restarts=restarts)):
         inputs = {name: t.clone().requires_grad_() for name, t in dict(k=k, before=before).items()}
         loop_inputs = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
@@ -246,7 +250,8 @@ def test_the_key_offset_in_the_model_computes_the_records_forward():
     window, F = 2, torch.nn.functional
     s, x0_lambdas = model.scalars, model.x0_lambdas
     resid_lambdas, sa_lambdas, skip_weights = s[:4], s[4:12].view(4, 2), s[12:14]
-    long_mask, short_mask = train_gpt.attention_masks(tokens, window, "sdpa")
+    masks = train_gpt.attention_masks(tokens, window, "sdpa")
+    long_mask, short_mask = masks[False, True], masks[False, False]
     with torch.no_grad():
         logits = {}
         for shift in (True, False):
@@ -330,30 +335,32 @@ def rotate(x, positions):
 
 
 def base_frequencies_by_hand(head_dim):
-    """The rotary frequencies in float64 from the formula: (1/1024)^(k / (D/4 - 1)) for k < D/4, then D/4 zeros."""
+    """The rotary frequencies in float64 from the formula, per dim: (1/1024)^(k / (D/4 - 1)) for both dims of pair k
+    = (2k, 2k + 1), k < D/4; then D/2 zeros."""
     quarter = head_dim // 4
-    return torch.tensor([(1 / 1024) ** (k / (quarter - 1)) for k in range(quarter)] + [0.0] * quarter,
+    return torch.tensor([(1 / 1024) ** (d // 2 / (quarter - 1)) for d in range(2 * quarter)] + [0.0] * (2 * quarter),
                         dtype=torch.float64)
 
 
 def rotation_by_hand(x, positions):
-    """x (H, D) rotated at the given positions in float64 by the documented frequencies, and an elementwise
-    bound on rotate()'s error: each float32 angle within BASE_FREQUENCY_ERROR and one rounding of the exact
-    one, its cos and sin within cos_sin_bound, then two float32 products and their sum."""
-    angle = torch.as_tensor(positions, dtype=torch.float64)[:, None, None] * base_frequencies_by_hand(x.size(-1))
+    """x (H, D) rotated at the given positions in float64 by the documented frequencies, pair (2k, 2k + 1) turning
+    as (x cos + y sin, y cos - x sin); and an elementwise bound on rotate()'s error: each float32 angle within
+    BASE_FREQUENCY_ERROR and one rounding of the exact one, its cos and sin within cos_sin_bound, then two float32
+    products and their sum."""
+    angle = torch.as_tensor(positions, dtype=torch.float64)[:, None, None] * base_frequencies_by_hand(x.size(-1))[0::2]
     cos, sin = angle.cos(), angle.sin()
-    x1, x2 = x.double().chunk(2, dim=-1)
-    tables = (x1.abs() + x2.abs()) * cos_sin_bound(angle, BASE_FREQUENCY_ERROR + UNIT_ROUNDOFF[torch.float32])
-    rotated = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1)
-    bound = torch.cat([tables + gamma(2) * ((x1 * cos).abs() + (x2 * sin).abs()),
-                       tables + gamma(2) * ((x2 * cos).abs() + (x1 * sin).abs())], -1)
+    first, second = x.double()[..., 0::2], x.double()[..., 1::2]
+    tables = (first.abs() + second.abs()) * cos_sin_bound(angle, BASE_FREQUENCY_ERROR + UNIT_ROUNDOFF[torch.float32])
+    rotated = torch.stack([first * cos + second * sin, second * cos - first * sin], -1).flatten(-2)
+    bound = torch.stack([tables + gamma(2) * ((first * cos).abs() + (second * sin).abs()),
+                         tables + gamma(2) * ((second * cos).abs() + (first * sin).abs())], -1).flatten(-2)
     return rotated, bound
 
 
-def test_rotary_rotates_a_quarter_of_the_pairs_by_the_documented_frequencies():
-    """Pair k = (dim k, dim k + D/2) turns by position * (1/1024)^(k / (D/4 - 1)) for k < D/4, within the
-    derived bound of float32's roundings (which a bf16 rounding of the result exceeds); the pairs k >= D/4
-    (dims D/4..D/2 and 3D/4..D) have frequency zero and never change, and the others move by more than it."""
+def test_rotary_rotates_adjacent_pairs_by_the_documented_frequencies():
+    """Pair k = (dim 2k, dim 2k + 1) turns by position * (1/1024)^(k / (D/4 - 1)) for k < D/4, within the derived
+    bound of float32's roundings (which a bf16 rounding of the result exceeds); the dims of the second half have
+    frequency zero and never change, and the others move by more than it."""
     torch.manual_seed(0)
     x = torch.randn(2, HEAD_DIM)
     positions = torch.arange(64)
@@ -362,11 +369,23 @@ def test_rotary_rotates_a_quarter_of_the_pairs_by_the_documented_frequencies():
     assert_within(out, expected, bound, "rotated", BASE_FREQUENCY_ERROR)
     with pytest.raises(AssertionError, match="times the derived bound"):
         assert_within(out.bfloat16(), expected, bound, "rotated, in bf16", BASE_FREQUENCY_ERROR)
-    quarter, half = HEAD_DIM // 4, HEAD_DIM // 2
-    still = torch.cat([torch.arange(quarter, half), torch.arange(half + quarter, HEAD_DIM)])
-    assert torch.equal(out[:, :, still], x[:, still].expand(64, -1, -1))
-    moving = torch.cat([torch.arange(quarter), torch.arange(half, half + quarter)])
-    assert ((out[1:, :, moving] - x[:, moving]).abs() > bound[1:, :, moving]).float().mean() > 0.9
+    half = HEAD_DIM // 2
+    assert torch.equal(out[:, :, half:], x[:, half:].expand(64, -1, -1))
+    assert ((out[1:, :, :half] - x[:, :half]).abs() > bound[1:, :, :half]).float().mean() > 0.9
+
+
+def test_paired_rotary_turns_each_pair_of_heads_at_two_positions():
+    """paired=True on (B, T, H/2, 2D): the first head of each pair turned at position 2t, the second at 2t + 1, as the
+    plain rotary turns them there (the same table rows and operations: equal), from a first position or each
+    token's own."""
+    torch.manual_seed(3)
+    rotary, x = train_gpt.Rotary(HEAD_DIM, max_seq_len=64), torch.randn(1, 10, 4, HEAD_DIM)
+    paired = rotary(x.view(1, 10, 2, 2 * HEAD_DIM), 5, paired=True).view(1, 10, 4, HEAD_DIM)
+    at = torch.arange(5, 15)
+    assert torch.equal(paired[:, :, 0::2], rotary(x[:, :, 0::2], 2 * at)) and torch.equal(paired[:, :, 1::2],
+                                                                                          rotary(x[:, :, 1::2], 2 * at + 1))
+    assert torch.equal(rotary(x.view(1, 10, 2, 2 * HEAD_DIM), at, paired=True), paired.view(1, 10, 2, 2 * HEAD_DIM))
+    assert not torch.equal(paired, rotary(x, 5))
 
 
 def test_rotary_at_each_tokens_own_position_equals_the_slice_from_a_first_position():
@@ -426,7 +445,7 @@ def test_yarn_rescale_follows_the_formula_and_rebuilds_the_tables():
     fastest unchanged, the rest between); cos and sin equal those of position x frequency within cos_sin_bound
     (the angle's float32 rounding, the functions' ulps); the frequency-zero half stays zero, its cos 1 and its
     sin 0. Windows in units of 32 tokens turn each frequency a quarter as often over the old window."""
-    rotary = train_gpt.Rotary(128, max_seq_len=1024)
+    rotary = train_gpt.Rotary(128, max_seq_len=512)
     small = train_gpt.Rotary(128, max_seq_len=16, window_unit=32)
     base = rotary.freqs.clone()
     by_hand = base_frequencies_by_hand(128)
@@ -437,41 +456,57 @@ def test_yarn_rescale_follows_the_formula_and_rebuilds_the_tables():
             rope.rescale(old, new)
             assert_within(rope.freqs, expected, bound, f"unit {rope.window_unit}: {old} -> {new}", gamma(4))
     assert rotary.freqs.dtype == torch.float32 and rotary.freqs.device.type == "cpu"
-    ratio = (rotary.freqs / base)[:32]
-    assert ratio[0] == 1 and ((ratio > 3 / 13) & (ratio < 1)).any()
+    ratio = (rotary.freqs / base)[:64]
+    assert ratio[0] == ratio[1] == 1 and ((ratio > 3 / 13) & (ratio < 1)).any() and torch.equal(ratio[0::2], ratio[1::2])
     # the slowest frequency never blends (it turns under once): three float32 ratios, three products, a division
     assert_within(ratio[-1], torch.tensor(3 / 13, dtype=torch.float64), gamma(7) * 3 / 13, "slowest frequency's ratio")
-    assert not rotary.freqs[32:].any()
-    # each float32 angle is the exact product of two float32 values, rounded once
+    assert not rotary.freqs[64:].any()
+    # each float32 angle is the exact product of two float32 values, rounded once; twice 512 positions; sin's odd
+    # entries negated (the x sin term of a pair's second dim is subtracted)
     angles = torch.outer(torch.arange(1024, dtype=torch.float64), rotary.freqs.double())
+    signs = torch.tensor([1.0, -1.0]).repeat(64)
     assert_within(rotary.cos, angles.cos(), cos_sin_bound(angles, UNIT_ROUNDOFF[torch.float32]), "cos")
-    assert_within(rotary.sin, angles.sin(), cos_sin_bound(angles, UNIT_ROUNDOFF[torch.float32]), "sin")
-    assert (rotary.cos[:, 32:] == 1).all() and (rotary.sin[:, 32:] == 0).all()
+    assert_within(rotary.sin, angles.sin() * signs, cos_sin_bound(angles, UNIT_ROUNDOFF[torch.float32]), "sin")
+    assert (rotary.cos[:, 64:] == 1).all() and (rotary.sin[:, 64:] == 0).all()
     assert not torch.equal(small.freqs, rotary.freqs)
     # the tables moved: the unscaled ones are far from these
-    assert (train_gpt.Rotary(128, max_seq_len=1024).cos - rotary.cos).abs().max() > 0.5
+    assert (train_gpt.Rotary(128, max_seq_len=512).cos - rotary.cos).abs().max() > 0.5
 
 
-def test_rotary_in_bf16_computes_what_the_records_from_2025_09_11_do():
-    """rotary_in_run_dtype: the records' Yarn.reset, apply (YaRN 3 -> 7) and rotary() written out: tables made in
-    float32 and rounded to bf16, q and k rotated in bf16 without an upcast. The same operations: equal to the bit.
-    build_model gives a bf16 run bf16 tables only when asked."""
-    head_dim, positions = 64, 512
+def test_rotary_in_bf16_computes_what_the_records_from_2026_01_07_do():
+    """rotary_in_run_dtype: the 2026-01-07 record's Yarn and YarnPairedHead written out (reset, apply with YaRN 3 -> 7,
+    rotary): tables made in float32 over twice the positions, rounded to bf16, every second sin negated; q and k
+    rotated in bf16 without an upcast as factor1 x + factor2 x_flip, the paired layers' on (B, T, H/2, 2D) with the
+    rows of positions 2t and 2t + 1 side by side. The same operations: equal to the bit. build_model gives a bf16 run
+    bf16 tables only when asked."""
+    head_dim, positions = 64, 256
     rotary = train_gpt.Rotary(head_dim, positions, dtype=torch.bfloat16)
     x = torch.randn(1, positions, 2, head_dim).bfloat16()
     freqs = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
-    freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
+    freqs = torch.cat([freqs.repeat_interleave(2), freqs.new_zeros(head_dim // 2)])
+
+    def records_rotary(factor1, factor2, x_BTHD):
+        factor1, factor2 = factor1[None, :x_BTHD.size(-3), None, :], factor2[None, :x_BTHD.size(-3), None, :]
+        x_flip = x_BTHD.view(*x_BTHD.shape[:-1], x_BTHD.shape[-1] // 2, 2).flip(-1).view(x_BTHD.shape)
+        return factor1 * x_BTHD + factor2 * x_flip
+
     for change in (None, (3, 7)):
         if change:
             rotary.rescale(*change)
             rotations = train_gpt.BLOCK_SIZE * 3 * freqs / (2 * torch.pi)
             freqs *= 3 / 7 + torch.clamp((rotations - 1) / (32 - 1), 0, 1) * (1 - 3 / 7)
-        theta = torch.outer(torch.arange(positions, dtype=torch.float32), freqs)
-        cos, sin = theta.cos().to(torch.bfloat16), theta.sin().to(torch.bfloat16)
-        assert torch.equal(rotary.cos, cos) and torch.equal(rotary.sin, sin)
-        x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        assert torch.equal(rotary(x), torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), 3))
+        t = torch.arange(2 * positions, dtype=torch.float32)
+        theta = torch.outer(t, freqs)
+        factor1, factor2 = theta.cos().to(torch.bfloat16), theta.sin().to(torch.bfloat16)
+        factor2[..., 1::2] *= -1
+        assert torch.equal(rotary.cos, factor1) and torch.equal(rotary.sin, factor2)
+        assert torch.equal(rotary(x), records_rotary(factor1, factor2, x))
+        theta1, theta2 = torch.outer(2 * t, freqs), torch.outer(2 * t + 1, freqs)
+        paired1 = torch.cat((theta1.cos(), theta2.cos()), dim=-1).to(torch.bfloat16)
+        paired2 = torch.cat((theta1.sin(), theta2.sin()), dim=-1).to(torch.bfloat16)
+        paired2[..., 1::2] *= -1
+        pairs = x.view(1, positions, 1, 2 * head_dim)
+        assert torch.equal(rotary(pairs, paired=True), records_rotary(paired1, paired2, pairs))
     args = train_gpt.Hyperparameters(**EARLIER_STRUCTURE, num_layers=2, num_heads=1, head_dim=32, model_dim=32, vocab_size=256)
     plan = train_gpt.plan_device(args, torch.device("cpu"))
     for asked, dtype in ((False, torch.float32), (True, torch.bfloat16)):
@@ -564,9 +599,9 @@ def test_compiled_flex_model_matches_sdpa():
     """The flex backend under torch.compile (BlockMasks built inside the graph, the window an int as in
     training) gives the SDPA backend's training loss for the same weights (fp32), both within the derived
     bound of the float64 loss, on a document longer than both windows: a window of 2 blocks cuts the long
-    layers' keys (256) and the short ones' (128)."""
-    sdpa = randomize_(tiny_gpt(backend="sdpa"))
-    flex = tiny_gpt(backend="flex")
+    layers' keys (256) and the short ones' (128); layer 1's heads paired, over its doubled sequence."""
+    sdpa = randomize_(tiny_gpt(backend="sdpa", paired_layers=(1,)))
+    flex = tiny_gpt(backend="flex", paired_layers=(1,))
     flex.load_state_dict(sdpa.state_dict())
     compiled = torch.compile(flex, dynamic=False)
     tokens, targets = long_document()
@@ -575,7 +610,7 @@ def test_compiled_flex_model_matches_sdpa():
         assert abs(sdpa(tokens, targets, 2).item() - exact) <= bound
         assert abs(compiled(tokens, targets, 2).item() - exact) <= bound
         # the same scale with the masks of a 1-block window, outside the bound: a wrong window would show
-        logits = sdpa.softcapped_logits(sdpa.trunk(tokens, 2, train_gpt.attention_masks(tokens, 1, "sdpa")))
+        logits = sdpa.softcapped_logits(sdpa.trunk(tokens, 2, train_gpt.attention_masks(tokens, 1, "sdpa", paired=True)))
         assert abs(torch.nn.functional.cross_entropy(logits[0], targets, reduction="sum").item() - exact) > bound
 
 
@@ -748,16 +783,16 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
 
 
 def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=0, skip_layers=(6,),
-                          residual_lambda_init=1.1):
-    """The records' structure of 2025-12-31, at width 32: the 12-layer U without its layer 0, the smear, attention
+                          residual_lambda_init=1.1, paired_layers=(0, 2, 5, 9)):
+    """The records' structure of 2026-01-07, at width 32: the 12-layer U without its layer 0, the smear, attention
     gates, value-embedding gates, one sigmoid-gated skip (3 into 6; None: every receiver, 4..0 into 5..9) with its
     input gate, block inputs 1.1 x at init, the backout (after block 7), the key offset on the long-window layers,
-    q/k/v drawn with std 1 / sqrt(d), the lm_head with std 0.005."""
+    the heads paired in layers 0, 2, 5 and 9, q/k/v drawn with std 1 / sqrt(d), the lm_head with std 0.005."""
     torch.manual_seed(seed)
     return train_gpt.GPT(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=windows,
                          smear=True, attn_gates=True, value_embed_gates=True, key_offset=True, skip_gates=True,
                          skip_input_gate=True, skip_layers=skip_layers, residual_lambda_init=residual_lambda_init,
-                         backout_layer=backout_layer, attn_init_std=1.0, head_init_std=0.005)
+                         backout_layer=backout_layer, attn_init_std=1.0, head_init_std=0.005, paired_layers=paired_layers)
 
 
 def test_the_records_structure_starts_as_the_record_does():
@@ -793,25 +828,33 @@ def test_the_records_structure_starts_as_the_record_does():
 
 
 def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
-    """The 2025-12-31 record's CausalSelfAttention.forward written out (its dense-mask attention through attend):
-    sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key offset of the stationary dims, v + 2 sigmoid(gate) ve,
-    the gate, sa_lambdas[1] on the output weights."""
+    """The 2026-01-07 record's CausalSelfAttention.forward written out (its dense-mask attention through attend):
+    sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key offset of dims D/4..D/2 and 3D/4..D, v + 2 sigmoid(gate)
+    ve, the gate, sa_lambdas[1] on the output weights; and its PairedHeadCausalSelfAttention.forward where attn is
+    paired: q and k viewed (B, T, H/2, 2d) for the rotary at positions 2t, 2t + 1 (paired=True), then (B, 2T, H/2, d),
+    v reshaped so, the value-embedding gate viewed (B, 2T, H/2, 1), the output viewed back (B, T, H, d)."""
     B, T, D = x.shape
     H, d = attn.num_heads, attn.head_dim
     q, k, v = torch.nn.functional.linear(x, sa_lambdas[0] * attn.qkvo_w[:3].flatten(end_dim=1).type_as(x)).view(
         B, T, 3 * H, d).chunk(3, dim=-2)
     q, k = train_gpt.norm(q), train_gpt.norm(k)
-    q, k = rotary(q), rotary(k)
+    if attn.paired:
+        q = rotary(q.view(B, T, H // 2, 2 * d), paired=True).view(B, 2 * T, H // 2, d)
+        k = rotary(k.view(B, T, H // 2, 2 * d), paired=True).view(B, 2 * T, H // 2, d)
+        v = v.reshape(B, 2 * T, H // 2, d)
+    else:
+        q, k = rotary(q), rotary(k)
     if key_offset:  # the record's in-place shift, its right side read before the write (as compiled)
         k = k.clone()
         k[:, 1:, :, d // 4:d // 2] = k[:, :-1, :, d // 4:d // 2].clone()
         k[:, 1:, :, 3 * d // 4:] = k[:, :-1, :, 3 * d // 4:].clone()
     if ve is not None and attn.ve_gate is not None:
-        gate = 2 * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.ve_gate.weight)).view(B, T, H, 1)
-        v = v + gate * ve.view_as(v)
+        gate = 2 * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.ve_gate.weight))
+        v = v + gate.view(B, 2 * T, H // 2, 1) * ve.view_as(v) if attn.paired else v + gate.view(B, T, H, 1) * ve.view_as(v)
     elif ve is not None:
         v = v + ve.view_as(v)
     y = train_gpt.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
+    y = y.contiguous().view(B, T, H, d)
     if attn.attn_gate is not None:
         y = y * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.attn_gate.weight)).view(B, T, H, 1)
     return torch.nn.functional.linear(y.contiguous().view(B, T, D), sa_lambdas[1] * attn.qkvo_w[3].type_as(y))
@@ -820,11 +863,12 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
 @pytest.mark.parametrize("listing", ["2025-12-14", "full U"])
 @pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
 def test_the_records_structure_computes_the_records_forward(window, long_window, listing):
-    """The trunk against the 2025-12-31 record's GPT.forward written out, blocks included (and a U-net of every skip,
+    """The trunk against the 2026-01-07 record's GPT.forward written out, blocks included (and a U-net of every skip,
     4..0 pushed and popped by 5..9): the smear; layer 3's output added through a sigmoid gate times 2 sigmoid(v .
-    x0[:12]) before layer 6's mixing; layer 0's input (r0 + x0_0) x, the others' r x + l x0; attention by records_attention, the key shifted on
-    the long layers 3 and 10, none in 6; the MLP F.linear(relu(F.linear(x, c_fc))^2, c_proj^T); the residual after
-    block 7 times its lambda taken out; the final validation's wider long window on 3 and 10 alone. The same
+    x0[:12]) before layer 6's mixing; layer 0's input (r0 + x0_0) x, the others' r x + l x0; attention by
+    records_attention, the heads paired in 0, 2, 5 and 9 (their short window over the doubled sequence), the key
+    shifted on the long layers 3 and 10, none in 6; the MLP F.linear(relu(F.linear(x, c_fc))^2, c_proj^T); the residual
+    after block 7 times its lambda taken out; the final validation's wider long window on 3 and 10 alone. The same
     operations in the same order: equal to the bit, with every weight and scalar random."""
     unet = listing == "full U"
     model = randomize_(records_structure_gpt(skip_layers=None if unet else (6,)))
@@ -839,6 +883,7 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
     ve = [ve[1], ve[2], None, None, None, None, None, None, ve[0], ve[1], ve[2]]
     long_mask = train_gpt.attention_mask(tokens, (long_window or window) * train_gpt.BLOCK_SIZE, "sdpa")
     short_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa")
+    paired_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa", paired=True)
     skips = []
     for i in range(11):
         if unet and 5 <= i < 10:
@@ -849,8 +894,8 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
         block = model.blocks[i]
         if i != 6:
             x = x + records_attention(block.attn, train_gpt.norm(x), ve[i], sa_lambdas[i],
-                                      long_mask if i in (3, 10) else short_mask, model.rotary,
-                                      model.attention_scales[window], key_offset=i in (3, 10))
+                                      long_mask if i in (3, 10) else paired_mask if i in (0, 2, 5, 9) else short_mask,
+                                      model.rotary, model.attention_scales[window], key_offset=i in (3, 10))
         h = F.relu(F.linear(train_gpt.norm(x), block.mlp.c_fc)).square()
         x = x + F.linear(h, block.mlp.c_proj.T)
         if (unet and i < 5) or (not unet and i == 3):

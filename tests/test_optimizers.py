@@ -353,18 +353,18 @@ def test_lr_multiplier(args):
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (1785 scheduled steps of 1825, cooldown 0.5, peaks 1, 1.52, 1.73): 1.0 through step
-    595 (595 / 1785 is 1/3, not past it), 1.52 from 596 until the cooldown starts at 893 (past 0.5 x 1785 = 892.5),
-    then 1.52 w + 0.1 (1 - w); 1.73 w + 0.1 (1 - w) from 1191; 0.1 at 1785 and through the 40 extension steps."""
-    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1825, 40, 0.5)
+    """Spot values for the record (1735 scheduled steps of 1775, cooldown 0.5, peaks 1, 1.52, 1.73): 1.0 through step
+    578 (578 / 1735 is under 1/3), 1.52 from 579 until the cooldown starts at 868 (past 0.5 x 1735 = 867.5), then
+    1.52 w + 0.1 (1 - w); 1.73 w + 0.1 (1 - w) from 1157; 0.1 at 1735 and through the 40 extension steps."""
+    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1775, 40, 0.5)
     assert RECORD.lr_stage_peaks == (1.0, 1.52, 1.73)
-    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 595, 596, 892)} == {0: 1.0, 595: 1.0, 596: 1.52,
-                                                                                            892: 1.52}
-    for step, peak in ((893, 1.52), (1190, 1.52), (1191, 1.73), (1784, 1.73)):
-        w = (1 - step / 1785) / 0.5
+    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 578, 579, 867)} == {0: 1.0, 578: 1.0, 579: 1.52,
+                                                                                            867: 1.52}
+    for step, peak in ((868, 1.52), (1156, 1.52), (1157, 1.73), (1734, 1.73)):
+        w = (1 - step / 1735) / 0.5
         assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(peak * w + 0.1 * (1 - w), abs=lr_rounding(RECORD))
-    assert train_gpt.lr_multiplier(1191, RECORD) > train_gpt.lr_multiplier(1190, RECORD)  # the stage's jump
-    for step in (1785, 1786, 1825):
+    assert train_gpt.lr_multiplier(1157, RECORD) > train_gpt.lr_multiplier(1156, RECORD)  # the stage's jump
+    for step in (1735, 1736, 1775):
         assert train_gpt.lr_multiplier(step, RECORD) == 0.1
 
 
@@ -393,10 +393,10 @@ def test_window_at(args):
 
 
 def test_window_at_record_boundaries():
-    """3, 7, 11 over steps 0-594, 595-1189 and 1190-1784 (int(3 step / 1785)); 13 for the 40 extension steps and the
-    final validation at 1825."""
-    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1825)
-    values = {0: 3, 594: 3, 595: 7, 1189: 7, 1190: 11, 1784: 11, 1785: 13, 1824: 13, 1825: 13}
+    """3, 7, 11 over steps 0-578, 579-1156 and 1157-1734 (int(3 step / 1735)); 13 for the 40 extension steps and the
+    final validation at 1775."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1775)
+    values = {0: 3, 578: 3, 579: 7, 1156: 7, 1157: 11, 1734: 11, 1735: 13, 1774: 13, 1775: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
     cpu_steps = (0, 51, 52, 103, 104, 155, 156, 207, 208, 259, 260)  # 5 stages of 52 steps over 260
     assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32]
@@ -405,13 +405,13 @@ def test_window_at_record_boundaries():
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
 
 
-def test_the_2025_12_31_schedules_at_every_step():
-    """1785 scheduled steps and 40 more (1825), at every step against the record's functions written out: get_lr (the
+def test_the_2026_01_07_schedules_at_every_step():
+    """1735 scheduled steps and 40 more (1775), at every step against the record's functions written out: get_lr (the
     stage peaks 1.52 and 1.73 past 1/3 and 2/3, the cooldown from 0.5, 0.1 after), get_ws and get_bs (int(3 x step /
-    1785)), the multi-token weights of _build_mtp_schedule ([1, 0.5, 0.25 (1 - 3x)], then [1, 0.5 (1 - (3x - 1))],
-    then [1]), and the untie after step ceil(2/3 x 1785) | 1 = 1191 (the same float operations: equal)."""
+    1735)), the multi-token weights of _build_mtp_schedule ([1, 0.5, 0.25 (1 - 3x)], then [1, 0.5 (1 - (3x - 1))],
+    then [1]), and the untie after step ceil(2/3 x 1735) | 1 = 1157 (the same float operations: equal)."""
     args = RECORD
-    N = 1785
+    N = 1735
 
     def record_lr(step):
         if step > N:
@@ -435,7 +435,7 @@ def test_the_2025_12_31_schedules_at_every_step():
             return (1.0, 0.5 * (1 - (3 * x - 1)))
         return (1.0,)
 
-    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1825, 40, 8)
+    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1775, 40, 8)
     for step in range(args.num_iterations + 1):
         assert train_gpt.lr_multiplier(step, args) == record_lr(step), step
         assert train_gpt.mtp_weights_at(step, args) == record_mtp(step), step
@@ -447,19 +447,19 @@ def test_the_2025_12_31_schedules_at_every_step():
         if step < 300:
             expected = 0.85 + (step / 300) * (0.95 - 0.85)
         else:
-            expected = 0.95 - ((step - 1775) / 50) * (0.95 - 0.85) if step > 1775 else 0.95
+            expected = 0.95 - ((step - 1725) / 50) * (0.95 - 0.85) if step > 1725 else 0.95
         assert train_gpt.muon_momentum(step, args) == expected, step
-    assert train_gpt.untie_step(args) == math.ceil(2 / 3 * N) | 1 == 1191
-    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1190, 1191, 1192, 1825)] == [True] * 3 + [False] * 2
+    assert train_gpt.untie_step(args) == math.ceil(2 / 3 * N) | 1 == 1157
+    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1156, 1157, 1158, 1775)] == [True] * 3 + [False] * 2
     for scheduled in (30, 99, 1880):  # other lengths: the record's expression, and Adam's (odd) steps
         other = dataclasses.replace(args, num_iterations=scheduled + 40)
         assert train_gpt.untie_step(other) == math.ceil(2 / 3 * scheduled) | 1
     every = dataclasses.replace(args, adam_every=1)
-    assert train_gpt.untie_step(every) == 1190 and train_gpt.untie_step(dataclasses.replace(args, untie_embed_frac=0)) is None
-    # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, the untie within the third
-    assert train_gpt.training_shapes(args) == {(16384, 3, 3, True): 0, (32768, 7, 2, True): 595,
-                                               (49152, 11, 1, True): 1190, (49152, 11, 1, False): 1192,
-                                               (49152, 13, 1, False): 1785}
+    assert train_gpt.untie_step(every) == 1157 and train_gpt.untie_step(dataclasses.replace(args, untie_embed_frac=0)) is None
+    # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, the untie after the third's first
+    assert train_gpt.training_shapes(args) == {(16384, 3, 3, True): 0, (32768, 7, 2, True): 579,
+                                               (49152, 11, 1, True): 1157, (49152, 11, 1, False): 1158,
+                                               (49152, 13, 1, False): 1735}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -494,7 +494,7 @@ def test_attention_scales_record():
     assert train_gpt.attention_scales((2, 4, 8), 0.1, growth=0.5) == {
         2: 0.1, 4: 0.1 * (1 + 0.5 * math.log(2)), 8: 0.1 * (1 + 0.5 * math.log(2)) * (1 + 0.5 * math.log(2))}
     assert train_gpt.attention_scales((2, 4, 8), 0.12, growth=0) == {2: 0.12, 4: 0.12, 8: 0.12}
-    model = train_gpt.build_model(dataclasses.replace(RECORD, model_dim=64, num_heads=1, head_dim=64), 128)
+    model = train_gpt.build_model(dataclasses.replace(RECORD, model_dim=64, num_heads=2, head_dim=32), 128)
     assert model.attention_scales == scales
 
 
@@ -512,7 +512,7 @@ class RescaleSpy:
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
     cpu_changes = [(52, (2, 4)), (104, (4, 8)), (156, (8, 16)), (208, (16, 32))]
-    for args, expected in ((RECORD, [(595, (3, 7)), (1190, (7, 11)), (1785, (11, 13))]),
+    for args, expected in ((RECORD, [(579, (3, 7)), (1157, (7, 11)), (1735, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):
@@ -596,16 +596,23 @@ def test_normuon_normalizes_per_neuron_as_computed_by_hand(shape):
                               gamma(output_roundings))
 
 
-def test_normuon_keeps_its_statistics_in_the_parameter_s_dtype():
-    """The record's second moment is made like the gradient, one per row of each matrix: bfloat16 for a bf16 gate,
-    float32 for a float32 matrix."""
-    params = [torch.nn.Parameter(torch.zeros(6, 12, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(4, 8, 8))]
-    muon = train_gpt.Muon(params, lr=0.1, momentum=0.9, neuron_beta2=0.95)
-    for p in params:
-        p.grad = torch.randn(p.shape).to(p.dtype)
-    muon.step()
-    assert [tuple(muon.state[p]["neuron_second_moment"].shape) for p in params] == [(6, 1), (4, 8, 1)]
-    assert [muon.state[p]["neuron_second_moment"].dtype for p in params] == [torch.bfloat16, torch.float32]
+def test_normuon_keeps_its_statistics_and_momentum_in_float32():
+    """The records from 2026-01-04 keep Muon's momentum and NorMuon's second moment in float32, one moment per row of
+    each matrix, for bf16 matrices as for float32 ones; a bf16 matrix's owner keeps its value's low half (uint16)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        params = [torch.nn.Parameter(torch.zeros(6, 12, dtype=dtype)), torch.nn.Parameter(torch.zeros(4, 8, 8, dtype=dtype))]
+        muon = train_gpt.Muon(params, lr=0.1, momentum=0.9, neuron_beta2=0.95)
+        for p in params:
+            p.grad = torch.randn(p.shape).to(p.dtype)
+        muon.step()
+        assert [tuple(muon.state[p]["neuron_second_moment"].shape) for p in params] == [(6, 1), (4, 8, 1)]
+        assert {muon.state[p][key].dtype for p in params for key in ("neuron_second_moment", "momentum_buffer")} == {
+            torch.float32}
+        assert [muon.state[p].get("low_half", torch.empty(0)).dtype for p in params] == (
+            [torch.uint16] * 2 if dtype == torch.bfloat16 else [torch.float32] * 2)
+    with pytest.raises(ValueError, match="share a dtype"):
+        train_gpt.Muon([torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2, 2).bfloat16())], lr=0.1,
+                       momentum=0.9)
 
 
 def first_muon_update(grad, momentum, method="newton_schulz"):
@@ -674,7 +681,7 @@ def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_a
     (nothing else), and muon_cautious_wd, which the training step leaves alone (the decay follows the lr through the
     lr alone). The lr factors, float32 CPU scalars, are the records' (2025-12-11): 2 for the (4, d, d) attention and
     the (4d, d) up-projection, 2 x 2 for the down-projection; no gates (Adam's from 2025-12-31)."""
-    args = dataclasses.replace(RECORD, model_dim=64, num_heads=1, head_dim=64, seq_len=(128,), val_seq_len=128,
+    args = dataclasses.replace(RECORD, model_dim=64, num_heads=2, head_dim=32, seq_len=(128,), val_seq_len=128,
                                batch_slots=1, dtype="float32", num_iterations=4, extension_steps=1, compile=False,
                                vocab_size=1024)
     trainer = train_gpt.Trainer(args, 0, 1, train_gpt.plan_device(args, torch.device("cpu")))
@@ -708,25 +715,43 @@ def records_normuon(v_chunk, second_momentum_buffer, beta2, red_dim=-1):
 
 
 def records_cautious_update(p, v, wd_tensor, lr_tensor):
-    """The record's cautious_wd_and_update_inplace, written out."""
+    """The 2025-12-31 record's cautious_wd_and_update_inplace, written out (a float32 run's form)."""
     mask = (v * p) >= 0
     wd_factor, lr_factor = wd_tensor.to(p.dtype), lr_tensor.to(p.dtype)
     p.copy_(p - (p * mask * wd_factor * lr_factor) - (v * lr_factor))
 
 
-def test_muon_steps_replay_the_records_expressions():
+def records_mantissa_update(p, mantissa, grad, wd_tensor, lr_tensor):
+    """The 2026-01-04 record's cautious_wd_and_update_inplace on a bf16 p and its uint16 mantissa, written out with
+    int64 arithmetic in place of its uint32 (which the CPU does not shift): the float32 value p's bits then the
+    mantissa's, updated, split again into its high half (p) and low half."""
+    raw = ((p.view(torch.uint16).to(torch.int64) << 16) | mantissa.to(torch.int64)).to(torch.int32)
+    precise = raw.view(torch.float32)
+    grad = grad.float()
+    wd_factor, lr_factor = wd_tensor.to(torch.float32), lr_tensor.to(torch.float32)
+    mask = (grad * precise) >= 0
+    precise.copy_(precise - (precise * mask * wd_factor * lr_factor) - (grad * lr_factor))
+    unsigned = precise.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    p.view(torch.uint16).copy_((unsigned >> 16).to(torch.uint16))
+    mantissa.copy_((unsigned & 0xFFFF).to(torch.uint16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_muon_steps_replay_the_records_expressions(dtype):
     """Three steps of Muon as the record configures it (Polar Express in bf16, NorMuon 0.95, cautious wd 1.2, lr 0.023,
-    momentum 0.95) on an attention stack (4, 16, 16), an MLP's c_fc and c_proj (64, 16) (lr_mul 2, adding apart) and
-    a bf16 gate (2, 12), against the record's step written out: momentum lerps, its NorMuon (per row, statistics in
-    float32), its cautious update with its lr factors 2, 2, 4 and 1 (max(1, rows / cols)^0.5 of its 2-D layouts, times
-    lr_mul) times lr in float32 and wd lr alike. The same operations: equal to the bit. Orthogonalization is
-    train_gpt's (tested above); a c_proj factor of 2 would differ."""
+    momentum 0.95) on an attention stack (4, 16, 16) and an MLP's c_fc and c_proj (64, 16) (lr_mul 2, adding apart),
+    against the 2026-01-04 record's step written out: the gradient in float32, momentum lerps in float32, its NorMuon
+    (per row, statistics in float32), its cautious update with its lr factors 2, 2 and 4 (max(1, rows / cols)^0.5 of its
+    2-D layouts, times lr_mul) times lr in float32 and wd lr alike; bf16 matrices updated on their float32 values
+    (mantissa), float32 ones in the 2025-12-31 form (the record's in float32). The same operations: equal to the bit.
+    Orthogonalization is train_gpt's (tested above); a c_proj factor of 2 would differ, and so would bf16 matrices
+    updated in bf16."""
     g = torch.Generator().manual_seed(0)
-    shapes = [((4, 16, 16), torch.float32), ((64, 16), torch.float32), ((64, 16), torch.float32), ((2, 12), torch.bfloat16)]
-    starts = [(torch.randn(s, generator=g) * 0.1).to(dtype) for s, dtype in shapes]
-    grads = [[torch.randn(s, generator=g).to(dtype) for s, dtype in shapes] for _ in range(3)]
+    shapes = [(4, 16, 16), (64, 16), (64, 16)]
+    starts = [(torch.randn(s, generator=g) * 0.1).to(dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(3)]
     params = [torch.nn.Parameter(t.clone()) for t in starts]
-    attn, c_fc, c_proj, gate = params
+    attn, c_fc, c_proj = params
     lr, momentum, beta2, wd = 0.023, 0.95, 0.95, 1.2
     muon = train_gpt.Muon(params, lr=lr, momentum=momentum, method="polar_express", neuron_beta2=beta2,
                           weight_decay=wd, lr_mul={c_proj: 2.0}, add_apart=[c_fc, c_proj])
@@ -735,28 +760,58 @@ def test_muon_steps_replay_the_records_expressions():
             p.grad = grad.clone()
         muon.step()
 
-    def replay(lr_mults):
-        param_lr_cpu, param_wd_cpu = torch.tensor(lr_mults, dtype=torch.float32), torch.ones(4, dtype=torch.float32)
+    def replay(lr_mults, mantissa=True):
+        param_lr_cpu, param_wd_cpu = torch.tensor(lr_mults, dtype=torch.float32), torch.ones(3, dtype=torch.float32)
         by_hand = [t.clone() for t in starts]
-        buffers = [torch.zeros_like(t) for t in starts]
-        moments = [torch.zeros(*t.shape[:-1], 1, dtype=t.dtype) for t in starts]
+        buffers = [torch.zeros_like(t, dtype=torch.float32) for t in starts]
+        moments = [torch.zeros(*t.shape[:-1], 1, dtype=torch.float32) for t in starts]
+        mantissas = [torch.zeros_like(t, dtype=torch.uint16) for t in starts]
         for step_grads in grads:
             eff_lr_all, eff_wd_all = param_lr_cpu * lr, param_wd_cpu * wd * lr
             for k, grad in enumerate(step_grads):
+                grad = grad.float()
                 buffers[k].lerp_(grad, 1 - momentum)
-                updated = grad.clone().lerp_(buffers[k], momentum)
+                updated = grad.lerp_(buffers[k], momentum)
                 v = train_gpt.orthogonalize(updated, "polar_express", torch.bfloat16, add_apart=k in (1, 2))
                 v = records_normuon(v, moments[k], beta2)
-                records_cautious_update(by_hand[k], v, eff_wd_all[k], eff_lr_all[k])
-        return by_hand, moments
+                if dtype == torch.bfloat16 and mantissa:
+                    records_mantissa_update(by_hand[k], mantissas[k], v, eff_wd_all[k], eff_lr_all[k])
+                else:
+                    records_cautious_update(by_hand[k], v, eff_wd_all[k], eff_lr_all[k])
+        return by_hand, moments, mantissas
 
-    # the record's shape_mult from its layouts (4 * 16, 16), (64, 16), (64, 16), (2, 12), times lr_mul
-    by_hand, moments = replay([2.0, 2.0, 2.0 * 2.0, 1.0])
+    # the record's shape_mult from its layouts (4 * 16, 16), (64, 16), (64, 16), times lr_mul
+    by_hand, moments, mantissas = replay([2.0, 2.0, 2.0 * 2.0])
     for k, (p, expected, start) in enumerate(zip(params, by_hand, starts)):
         assert not torch.equal(p.detach(), start)
         assert torch.equal(p.detach(), expected), k
         assert torch.equal(muon.state[p]["neuron_second_moment"], moments[k]), k
-    assert not torch.equal(c_proj.detach(), replay([2.0, 2.0, 2.0, 1.0])[0][2])
+        if dtype == torch.bfloat16:
+            assert torch.equal(muon.state[p]["low_half"], mantissas[k]) and mantissas[k].any(), k
+    assert not torch.equal(c_proj.detach(), replay([2.0, 2.0, 2.0])[0][2])
+    if dtype == torch.bfloat16:
+        assert not torch.equal(c_fc.detach(), replay([2.0, 2.0, 4.0], mantissa=False)[0][1])
+
+
+def test_a_bf16_matrix_and_its_low_half_hold_its_float32_value_through_updates():
+    """cautious_update with low_half: a float32 value split into its bf16 truncation and low half, updated there, equals
+    the float32 update of that value, bit for bit (its 32 bits in the two halves), over several steps; the bf16 matrix
+    is the value truncated, not rounded to nearest."""
+    g = torch.Generator().manual_seed(4)
+    value = torch.randn(300, generator=g)
+    bits = value.view(torch.int32)
+    p = ((bits >> 16) & 0xFFFF).to(torch.uint16).view(torch.bfloat16).clone()
+    low = (bits & 0xFFFF).to(torch.uint16)
+    reference = value.clone()
+    for step in range(5):
+        update = torch.randn(300, generator=g).bfloat16()
+        wd, lr = torch.tensor(0.02 * (step + 1)), torch.tensor(0.3 / (step + 1))
+        train_gpt.cautious_update(p, update, wd, lr, low)
+        records_cautious_update(reference, update.float(), wd, lr)  # the update in float32, as the records' from 01-04
+        joined = (p.view(torch.uint16).to(torch.int64) << 16 | low.to(torch.int64)).to(torch.int32).view(torch.float32)
+        assert torch.equal(joined, reference), step
+        truncated = (reference.view(torch.int32) & ~0xFFFF).view(torch.float32)
+        assert torch.equal(p.float(), truncated) and not torch.equal(p, reference.bfloat16())
 
 
 @pytest.mark.parametrize("method", train_gpt.ORTHOGONALIZERS)
@@ -811,7 +866,8 @@ def test_adam_is_the_records_formula_computed_by_hand():
     grads = [[torch.randn(p.shape, generator=g, dtype=torch.float64) * 10**-k for k in range(4)] for p in params]
     lrs, betas, eps = (0.1, 0.02), (0.8, 0.95), 1e-2
     ours = [p.clone().requires_grad_() for p in params]
-    adam = train_gpt.Adam([dict(params=[ours[0]], lr=lrs[0]), dict(params=[ours[1]], lr=lrs[1])], betas=betas, eps=eps)
+    adam = train_gpt.Adam([dict(params=[ours[0]], lr=lrs[0], betas=betas), dict(params=[ours[1]], lr=lrs[1], betas=betas)],
+                          eps=eps)
     torchs = [p.clone().requires_grad_() for p in params]
     reference = torch.optim.Adam([dict(params=[torchs[0]], lr=lrs[0]), dict(params=[torchs[1]], lr=lrs[1])], betas=betas, eps=eps)
     for step in range(4):
@@ -841,7 +897,7 @@ def test_adam_keeps_float32_moments_and_decays_cautiously():
     grads = [torch.randn(64, generator=g).to(p.dtype) for p in params]
     lr, (beta1, beta2), eps, wd, wd_mul = 0.05, (0.65, 0.95), 1e-8, 0.5, 3.0
     copies = [p.clone().requires_grad_() for p in params]
-    adam = train_gpt.Adam([dict(params=copies, lr=lr, wd_mul=wd_mul)], betas=(beta1, beta2), eps=eps, weight_decay=wd)
+    adam = train_gpt.Adam([dict(params=copies, lr=lr, wd_mul=wd_mul, betas=(beta1, beta2))], eps=eps, weight_decay=wd)
     for p, grad in zip(copies, grads):
         p.grad = grad.clone()
     adam.step()
@@ -859,8 +915,8 @@ def test_adam_keeps_float32_moments_and_decays_cautiously():
         assert_within(got.detach(), expected, bound, f"Adam on {p0.dtype}")
         with pytest.raises(AssertionError, match="times the derived bound"):
             assert_within(got.detach(), pd - move - decay, bound, "decaying every entry")
-    reloaded = train_gpt.Adam([dict(params=[p.detach().clone().requires_grad_() for p in copies], lr=lr)],
-                              betas=(beta1, beta2), eps=eps)
+    reloaded = train_gpt.Adam([dict(params=[p.detach().clone().requires_grad_() for p in copies], lr=lr,
+                                    betas=(beta1, beta2))], eps=eps)
     reloaded.load_state_dict(adam.state_dict())
     for mine, theirs in zip(reloaded.param_groups[0]["params"], copies):
         for key in ("exp_avg", "exp_avg_sq"):
@@ -892,8 +948,8 @@ def test_compiled_adam_compiles_once_whatever_the_lr():
     results = []
     for compiled in (False, True):
         copies = [p.clone().requires_grad_() for p in params]
-        adam = train_gpt.Adam([dict(params=copies[:1], lr=initial_lrs[0]), dict(params=copies[1:], lr=initial_lrs[1])],
-                              betas=betas, eps=eps, compiled=compiled)
+        adam = train_gpt.Adam([dict(params=copies[:1], lr=initial_lrs[0], betas=betas),
+                               dict(params=copies[1:], lr=initial_lrs[1], betas=betas)], eps=eps, compiled=compiled)
         for step, step_grads in enumerate(grads):
             for group in adam.param_groups:
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * (1 - step / 12)

@@ -162,7 +162,8 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
                  "  compile: off (compile=false)", "  dtype: float32", "  training loss: in chunks of 1024 positions", "  num_iterations: 2", "  seq_len: (128,)",
-                 "key offset on layers []; ", "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
+                 "key offset on layers []; ", "heads paired on layers []; matrices float32",
+                 "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
                  "windows (units of 32 tokens; short layers half): 2, 4, 8, 16, 32 in equal parts of training, 32 for "
                  "the final validation; softmax scale by window 2: 0.1200000, 4: 0.1200000, 8: 0.1200000, 16: 0.1200000, "
                  "32: 0.1200000; rotary rescaled (YaRN) at each change\n"):
@@ -198,8 +199,9 @@ def test_resume_is_bitwise_identical(tiny_shards, tmp_path, yarn):
 
 
 def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, tmp_path):
-    """Three batch stages (2 x 128, 256, 384 tokens) and an extension, the records' structure and bf16 roundings, Adam
-    every other step, multi-token prediction, the embedding untied after step 3, warm-up steps in every process:
+    """Three batch stages (2 x 128, 256, 384 tokens) and an extension, the records' structure (paired heads in layers 0
+    and 3) and bf16 roundings (the matrices' low halves in Muon's state), Adam every other step, multi-token prediction,
+    the embedding untied after step 3, warm-up steps in every process:
     resumed where the second stage starts (tied, before the untie) and where the extension does, a run ends with the
     uninterrupted one's weights, optimizer states (and their dtypes) and data position. The log names each stage where
     it starts, and the clock times each one."""
@@ -556,16 +558,16 @@ def test_a_corrupt_later_shard_is_refused_when_the_stream_is_made(tmp_path):
 def test_each_optimizer_group_gets_its_lr():
     """Adam's first step moves every parameter by lr * sign(grad) (as the record's formula by hand, within its
     float32 rounding, its moments float32 here), so each group's lr shows."""
-    args = train_gpt.Hyperparameters(num_layers=4, model_dim=64, num_heads=1, head_dim=64, adam_cautious_wd=0.0)
+    args = train_gpt.Hyperparameters(num_layers=4, model_dim=64, num_heads=1, head_dim=64, adam_cautious_wd=0.0,
+                                     paired_head_layers="none")
     model = train_gpt.GPT(args.vocab_size, 4, 1, 64, 64, 128)
     adam, muon = train_gpt.build_optimizers(model, args)
     groups = {tuple(map(id, g["params"])): (g["lr"], g["wd_mul"], g["betas"]) for g in adam.param_groups}
-    betas, scalar_betas = (args.adam_beta1, args.adam_beta2), (args.scalar_beta1, args.scalar_beta2)
-    assert groups == {(id(model.lm_head.weight),): (args.head_lr, 150.0, betas),
-                      (id(model.embed.weight),): (args.embed_lr, 150.0, betas),
-                      tuple(id(t.weight) for t in model.value_embeds): (args.value_embed_lr, 5.0, betas),
-                      (id(model.x0_lambdas),): (args.scalar_lr, 0.0, betas),
-                      (id(model.scalars),): (args.scalar_lr, 0.0, scalar_betas)}
+    assert groups == {(id(model.lm_head.weight),): (args.head_lr, 150.0, (0.5, 0.95)),  # the record's (2026-01-04)
+                      (id(model.embed.weight),): (args.embed_lr, 150.0, (0.5, 0.95)),
+                      tuple(id(t.weight) for t in model.value_embeds): (args.value_embed_lr, 5.0, (0.75, 0.95)),
+                      (id(model.x0_lambdas),): (args.scalar_lr, 0.0, (0.65, 0.95)),
+                      (id(model.scalars),): (args.scalar_lr, 0.0, (0.9, 0.99))}
     assert {id(p) for g in muon.param_groups for p in g["params"]} == \
         {id(p) for p in model.blocks.parameters() if p.ndim >= 2}
     before = {p: p.detach().clone() for g in adam.param_groups for p in g["params"]}
@@ -618,9 +620,11 @@ def test_overrides_and_flags_parse():
 
 RECORDS_STRUCTURE = ["--num_layers=5", "--key_offset=true", "--smear=true", "--skip_gates=true", "--backout_layer=2",
                      "--value_embed_gates=true", "--skip_input_gate=true", "--attn_init_std=1.0", "--head_init_std=0.005",
-                     "--logit_cap=23", "--logit_offset=5", "--adam_cautious_wd=0.005"]
+                     "--logit_cap=23", "--logit_offset=5", "--adam_cautious_wd=0.005", "--num_heads=2", "--head_dim=32",
+                     "--paired_head_layers=0,3", "--head_betas=0.5,0.95", "--value_embed_betas=0.75,0.95",
+                     "--gate_betas=0.9,0.99", "--x0_betas=0.65,0.95"]
 RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_gates_in_run_dtype=true",
-                  "--loss_in_run_dtype=true", "--loss_chunk=0"]
+                  "--loss_in_run_dtype=true", "--loss_chunk=0", "--matrices_in_run_dtype=true"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -692,18 +696,20 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2025-12-31 GatesToCompiledAdam) choices; the project's own are
+    """The record preset keeps the published record's (2026-01-07 PairedHeadAttention) choices; the project's own are
     settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr, args.muon_neuron_beta2) == (
         "polar_express", "record", 0.023, 0.95)
     assert (args.mlp_down_lr_mul, args.muon_cautious_wd, args.skip_layers, args.residual_lambda_init) == (2.0, 1.2, "6", 1.1)
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1825, 40, 0.5)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1775, 40, 0.5)
     assert args.lr_stage_peaks == (1.0, 1.52, 1.73) and args.num_layers == 11 and args.key_offset
     assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
     assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr, args.adam_cautious_wd) == (0.008, 8e-5, 4e-4, 0.005)
-    assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.adam_every) == (0.65, 0.95, 1e-8, 2)
-    assert (args.scalar_beta1, args.scalar_beta2, args.untie_embed_frac, args.mtp_weights) == (0.9, 0.99, 2 / 3, (1.0, 0.5, 0.25))
+    assert (args.head_betas, args.value_embed_betas, args.gate_betas, args.x0_betas) == (
+        (0.5, 0.95), (0.75, 0.95), (0.9, 0.99), (0.65, 0.95))
+    assert (args.adam_eps, args.adam_every, args.untie_embed_frac, args.mtp_weights) == (1e-10, 2, 2 / 3, (1.0, 0.5, 0.25))
+    assert args.paired_head_layers == "0,2,5,9" and args.matrices_in_run_dtype
     assert (args.logit_cap, args.logit_offset, args.attn_init_std, args.head_init_std) == (23.0, 5.0, 1.0, 0.005)
     assert args.value_embed_gates and args.skip_input_gate
     assert (args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps) == (300, 50)
@@ -723,12 +729,13 @@ def test_record_preset_is_the_published_record():
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "--orthogonalizer='polar_express'" in help_text and "--fp8_grad_scale='record'" in help_text
-    for shown in ("--num_iterations=1825", "--extension_steps=40", "--cooldown_frac=0.5", "--window_stages=3,7,11",
+    for shown in ("--num_iterations=1775", "--extension_steps=40", "--cooldown_frac=0.5", "--window_stages=3,7,11",
                   "--seq_len=16384,32768,49152", "--lr_stage_peaks=1.0,1.52,1.73", "--num_layers=11",
                   "--mtp_weights=1.0,0.5,0.25", "--logit_cap=23.0", "--adam_cautious_wd=0.005",
                   "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",
                   "--key_offset=True", "--attention_scale=0.1", "--yarn=True", "--adam_every=2", "--skip_layers='6'",
-                  "--muon_cautious_wd=1.2", "--mlp_down_lr_mul=2.0", "--residual_lambda_init=1.1"):
+                  "--muon_cautious_wd=1.2", "--mlp_down_lr_mul=2.0", "--residual_lambda_init=1.1",
+                  "--paired_head_layers='0,2,5,9'", "--head_betas=0.5,0.95", "--adam_eps=1e-10"):
         assert shown in help_text, shown
 
 
@@ -842,10 +849,10 @@ train_gpt.support.matmul_peak(torch.device("cpu"), torch.float32, 0.02)
 time.sleep(0.5)  # the threads idle between the matmuls and the next vector math (more failures then)
 u = torch.linspace(-1, 1, 1 << 16)
 errors = [((u.exp().double() - u.double().exp()).abs() / u.double().exp()).max()]
-rotary = train_gpt.Rotary(128, 1024)
+rotary = train_gpt.Rotary(128, 512)
 freqs = (1 / 1024) ** torch.linspace(0, 1, steps=32, dtype=torch.float32)
-angles = torch.outer(torch.arange(1024, dtype=torch.float32), torch.cat([freqs, torch.zeros(32)])).double()
-errors += [(rotary.cos - angles.cos()).abs().max(), (rotary.sin - angles.sin()).abs().max()]
+angles = torch.outer(torch.arange(1024, dtype=torch.float32), torch.cat([freqs.repeat_interleave(2), torch.zeros(64)]))
+errors += [(rotary.cos - angles.double().cos()).abs().max(), (rotary.sin.abs() - angles.double().sin().abs()).abs().max()]
 print(max(e.item() for e in errors))
 """
 

@@ -15,13 +15,15 @@ Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any
                      (NCCL over every GPU; gloo over 2 CPU processes without CUDA)
 Without CUDA the checks that can run on CPU run at small sizes; the rest are SKIP.
 
-    python tools/gpu_check.py --bench [--steps=5] [--processes=N] [--key=value ...]
+    python tools/gpu_check.py --bench [--steps=5] [--processes=N] [--stage=K] [--key=value ...]
 
 --bench times the record preset's training step (the cpu preset's without CUDA; --key=value overrides
 either) as a run on this machine computes it: one process per GPU, each running its share of the step's
 micro-steps, on packed synthetic documents read through the training loader, compiled, at each stage
-(batch size and window) after untimed steps. It prints ms per step, tokens/s, MFU and peak memory per stage, and the
-projected training time of the whole run here and on 8 such GPUs.
+(batch size and window) after untimed steps, whose time (the stage's compilation) it reports beside the step's.
+--stage=K times the K-th stage alone (1: the first), for a machine lent for less time than the whole compiles in.
+It prints ms per step, tokens/s, MFU and peak memory per stage, and the projected training time of the stages
+timed here and on 8 such GPUs.
 """
 
 import argparse
@@ -37,8 +39,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLISHED_RECORD = ("2025-12-31 record (GatesToCompiledAdam) computes: val 3.2789 at step 1825 after 113.0 s of "
-                    "training on 8xH100, the means of its 10 published logs, unmeasured by us")
+PUBLISHED_RECORD = ("2026-01-07 record (PairedHeadAttention) computes: val 3.2788 at step 1775 after 108.8 s of "
+                    "training on 8xH100, the means of its 5 published logs, unmeasured by us")
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -148,7 +150,8 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
                stages: int | None = None) -> str:
     """Compiled FlexAttention against SDPA with the dense mask of the same rule, for the long and short
     windows of the record's first `stages` window stages (all by default) with their softmax scales,
-    and for two windows that end inside a block."""
+    for two windows that end inside a block, and for the paired-head layers' short windows over their
+    sequence of twice the tokens (half the heads)."""
     if backward and device.type != "cuda":
         raise Skip(f"FlexAttention has no backward on {device.type} in torch {torch.__version__}")
     if device.type == "cpu" and not check_cpu_supported():
@@ -159,24 +162,25 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
     windows = (*record.window_stages, record.final_window)
     scales = train_gpt.attention_scales(windows, record.attention_scale, record.attention_scale_growth)
     # (window in tokens, scale): as the attention layers see them, then two that are no multiple of a block
-    cases = [(blocks * train_gpt.BLOCK_SIZE, scales[w]) for w in windows[:stages] for blocks in (w, w // 2)]
-    cases += [(train_gpt.BLOCK_SIZE + 1, scales[windows[0]]), (3 * train_gpt.BLOCK_SIZE - 50, scales[windows[0]])]
+    cases = [(blocks * train_gpt.BLOCK_SIZE, scales[w], False) for w in windows[:stages] for blocks in (w, w // 2)]
+    cases += [(train_gpt.BLOCK_SIZE + 1, scales[windows[0]], False), (3 * train_gpt.BLOCK_SIZE - 50, scales[windows[0]], False)]
+    cases += [(w // 2 * train_gpt.BLOCK_SIZE, scales[w], True) for w in windows[:stages]]
 
     # The window as a tensor: one graph per scale serves every window (an int, as in training, compiles
     # one per window: minutes on CPU).
     @torch.compile(dynamic=False)
-    def flex(q, k, v, window, scale):
-        return train_gpt.attend(q, k, v, train_gpt.attention_mask(tokens, window, "flex"), scale)
+    def flex(q, k, v, window, scale, paired):
+        return train_gpt.attend(q, k, v, train_gpt.attention_mask(tokens, window, "flex", paired=paired), scale)
 
     worst = 0.0
     g = torch.Generator(device).manual_seed(2)
-    for window, scale in cases:
-        qkv = [torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g, dtype=dtype).requires_grad_(backward)
-               for _ in range(3)]
-        out = flex(*qkv, torch.tensor(window, device=device), scale)
+    for window, scale, paired in cases:
+        shape = (1, max(heads // 2, 1), 2 * num_tokens, head_dim) if paired else (1, heads, num_tokens, head_dim)
+        qkv = [torch.randn(shape, device=device, generator=g, dtype=dtype).requires_grad_(backward) for _ in range(3)]
+        out = flex(*qkv, torch.tensor(window, device=device), scale, paired)
         ref_qkv = [t.detach().clone().requires_grad_(backward) for t in qkv]
-        ref = F.scaled_dot_product_attention(*ref_qkv, attn_mask=train_gpt.attention_mask(tokens, window, "sdpa"),
-                                             scale=scale)
+        mask = train_gpt.attention_mask(tokens, window, "sdpa", paired=paired)
+        ref = F.scaled_dot_product_attention(*ref_qkv, attn_mask=mask, scale=scale)
         if backward:
             grad = torch.randn(out.shape, device=device, generator=g, dtype=dtype)
             got = torch.autograd.grad(out, qkv, grad)
@@ -186,8 +190,10 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
             worst = max(worst, relative_error(out, ref))
     if worst > ATTENTION_TOLERANCE:
         raise AssertionError(f"relative error {worst:.2e} (limit {ATTENTION_TOLERANCE:.0e})")
-    return (f"{num_tokens} tokens, {heads} heads, windows of {', '.join(map(str, sorted({w for w, _ in cases})))} tokens "
-            f"at scales {', '.join(f'{s:.4f}' for s in sorted({s for _, s in cases}))}: max relative error {worst:.1e}")
+    paired = sorted({w for w, _, pair in cases if pair})
+    return (f"{num_tokens} tokens, {heads} heads, windows of {', '.join(map(str, sorted({w for w, _, _ in cases})))} tokens "
+            f"(paired heads: {', '.join(map(str, paired))}) at scales {', '.join(f'{s:.4f}' for s in sorted({s for _, s, _ in cases}))}: "
+            f"max relative error {worst:.1e}")
 
 
 def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps: int = 6, warmup: int = 2) -> str:
@@ -304,17 +310,20 @@ def stage_steps(args: train_gpt.Hyperparameters) -> dict[tuple[int, int], list[i
 
 
 def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, rank: int, world_size: int,
-                 device: torch.device) -> dict:
-    """This rank's share of real training steps, at the first steps of each stage (seq_len, window): ms per step over
-    `steps` after the untimed ones (BENCH_UNTIMED_STEPS from the first step of each training shape in the stage: the
-    untie's within the third), and the peak memory."""
+                 device: torch.device, only_stage: int = 0) -> dict:
+    """This rank's share of real training steps, at the first steps of each stage (seq_len, window), or of the
+    only_stage-th alone: ms per step over `steps` after the untimed ones (BENCH_UNTIMED_STEPS from the first step of
+    each training shape in the stage: the untie's within the third), the untimed steps' seconds (they compile), and
+    the peak memory."""
     plan = train_gpt.plan_device(args, device)
     trainer = train_gpt.Trainer(args, rank, world_size, plan)
     stream = train_gpt.TokenStream(train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
                                    plan.pinned_memory, args.packed_doc_len)
     barrier = dist.barrier if world_size > 1 else (lambda: None)
     stages, first_steps = [], set(train_gpt.training_shapes(args).values())
-    for (seq_len, window), run_steps in stage_steps(args).items():
+    for number, ((seq_len, window), run_steps) in enumerate(stage_steps(args).items(), 1):
+        if only_stage and number != only_stage:
+            continue
         start = time.perf_counter()
         untimed = max(i for i, step in enumerate(run_steps) if step in first_steps) + BENCH_UNTIMED_STEPS
         for i in range(untimed + steps):
@@ -328,7 +337,7 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
         trainer.synchronize()
         ms = 1000 * (time.perf_counter() - t0) / steps
         flops = run_support.stage_flops_per_token(trainer.model, args, seq_len, window)
-        stages.append((seq_len, window, ms, flops))
+        stages.append((seq_len, window, ms, flops, untimed, t0 - start))
         if rank == 0:  # progress, with the time of the untimed steps, which compile
             print(f"{args.batch_slots} x {seq_len} tokens, window {window}: {untimed} untimed steps in "
                   f"{t0 - start:.1f} s, then {ms:.1f} ms/step", file=sys.stderr, flush=True)
@@ -337,11 +346,11 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
                 micro_steps=trainer.grad_accum_steps)
 
 
-def bench_worker(overrides: str, train_files: str, steps: str, out_path: str):
+def bench_worker(overrides: str, train_files: str, steps: str, only_stage: str, out_path: str):
     """One rank of --bench under torchrun; rank 0 writes the figures."""
     rank, world_size, device = train_gpt.setup_distributed()
     args, _ = train_gpt.parse_args(json.loads(overrides), "record" if device.type == "cuda" else "cpu")
-    result = bench_stages(args, train_files, int(steps), rank, world_size, device)
+    result = bench_stages(args, train_files, int(steps), rank, world_size, device, int(only_stage))
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -355,15 +364,20 @@ def bench_report(args: train_gpt.Hyperparameters, preset: str, result: dict, pro
     lines = [f"bench: preset {preset}, {args.num_layers} layers x {args.model_dim}, {args.batch_slots} x "
              f"{'/'.join(map(str, args.seq_len))} tokens a step; {processes} process(es) on {device.type} ({name}), {result['micro_steps']} micro-step(s) "
              f"each; dtype {result['dtype']}, compile {result['compile']}; {run_support.torch_description()}"]
-    projected_ms = 0.0
-    for (seq_len, window, ms, flops), run_steps in zip(result["stages"], stage_steps(args).values()):
+    projected_ms, all_stages, timed_steps = 0.0, stage_steps(args), 0
+    for seq_len, window, ms, flops, untimed, compile_s in result["stages"]:
+        run_steps = all_stages[seq_len, window]
         projected_ms += len(run_steps) * ms
+        timed_steps += len(run_steps)
         tokens_per_second = args.batch_slots * seq_len / (ms / 1000)
         lines.append(f"{args.batch_slots} x {seq_len} tokens, window {window} ({window * args.window_unit} tokens), "
-                     f"{len(run_steps)} steps: {ms:.1f} ms/step, "
-                     f"{tokens_per_second:,.0f} tokens/s, MFU {100 * flops * tokens_per_second / (peak * processes):.1f}%")
+                     f"{len(run_steps)} steps: {ms:.1f} ms/step, {tokens_per_second:,.0f} tokens/s, MFU "
+                     f"{100 * flops * tokens_per_second / (peak * processes):.1f}%; its {untimed} untimed steps, "
+                     f"which compile, {compile_s:.1f} s")
     lines.append(f"MFU against {peak_source} per process; rank 0's {result['peak_memory']}")
-    projection = f"projected training time of {args.num_iterations} steps: {projected_ms / 1000:.1f} s here"
+    timed = (f"{args.num_iterations} steps" if timed_steps == args.num_iterations else
+             f"the {timed_steps} steps of the stage timed (of {args.num_iterations})")
+    projection = f"projected training time of {timed}: {projected_ms / 1000:.1f} s here"
     if args.batch_slots % RECORD_GPUS == 0:
         projection += (f", {projected_ms * processes / RECORD_GPUS / 1000:.1f} s on {RECORD_GPUS} such GPUs (assumed: "
                        f"step time in proportion to the micro-steps per GPU; communication unmeasured)")
@@ -373,9 +387,12 @@ def bench_report(args: train_gpt.Hyperparameters, preset: str, result: dict, pro
 
 def bench_main(argv: list[str]) -> str:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    own, rest = run_support.split_tool_options(argv, dict(steps=5, processes=max(1, torch.cuda.device_count())))
+    own, rest = run_support.split_tool_options(argv, dict(steps=5, processes=max(1, torch.cuda.device_count()), stage=0))
     args, preset = train_gpt.parse_args(rest, "record" if device.type == "cuda" else "cpu")
     train_gpt.check_hyperparameters(args, own["processes"])
+    if own["stage"] > len(stage_steps(args)):
+        raise train_gpt.ConfigError(f"--stage={own['stage']}: the run has {len(stage_steps(args))} stages (1 to "
+                                    f"{len(stage_steps(args))})")
     if args.vocab_size <= train_gpt.EOT_TOKEN:
         raise train_gpt.ConfigError(f"vocab_size={args.vocab_size}: --bench needs the GPT-2 vocabulary (above the "
                                     f"end-of-text id {train_gpt.EOT_TOKEN} that starts its synthetic documents)")
@@ -388,10 +405,10 @@ def bench_main(argv: list[str]) -> str:
         shard = Path(tmp) / "synthetic_train_000000.bin"
         write_synthetic_shard(shard, 4 * args.batch_slots * (max(args.seq_len) + 1))
         if own["processes"] == 1:
-            result = bench_stages(args, str(shard), own["steps"], 0, 1, device)
+            result = bench_stages(args, str(shard), own["steps"], 0, 1, device, own["stage"])
         else:
-            result = run_workers(own["processes"], ["--bench-worker", json.dumps(rest), str(shard), str(own["steps"])],
-                                 timeout=3600)
+            result = run_workers(own["processes"], ["--bench-worker", json.dumps(rest), str(shard), str(own["steps"]),
+                                                    str(own["stage"])], timeout=3600)
     report = bench_report(args, preset, result, own["processes"], device)
     print(report, flush=True)
     return report

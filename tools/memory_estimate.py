@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     casts = sum(short) - 128 * sum(per_token)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     adam, muon = train_gpt.build_optimizers(model, hp)
-    muon_bytes = sum(4 * p.numel() for group in muon.param_groups for p in group["params"])  # momentum
+    # float32 momentum; a bf16 matrix's low half (uint16)
+    muon_bytes = sum((4 + 2 * (p.dtype == torch.bfloat16)) * p.numel() for group in muon.param_groups for p in group["params"])
     adam_state_bytes = sum(8 * p.numel() for group in adam.param_groups for p in group["params"])  # 2 float32 moments
     fixed = 2 * weights + adam_state_bytes + muon_bytes + casts
     logit_grad = (2 if hp.loss_in_run_dtype else 4) * model.lm_head.weight.size(0)  # gradient of one position's logits

@@ -95,7 +95,7 @@ def next_token_logits(model: train_gpt.GPT, tokens: torch.Tensor, window: int, c
         return model.softcapped_logits(x[0, n - 1])
     seen = tokens if cache.tokens is None else torch.cat([cache.tokens, tokens])
     masks = train_gpt.attention_masks(seen, window, "sdpa", first_query=start, unit=model.window_unit,
-                                      long_window=long_window)
+                                      long_window=long_window, paired=any(model.paired))
     x = model.trunk(tokens, window, masks, cache)
     cache.tokens = seen
     return model.softcapped_logits(x[0, -1])
@@ -113,9 +113,9 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
-    if isinstance(args.seq_len, int) or "mtp_weights" not in state["hyperparameters"]:
-        raise train_gpt.ConfigError(f"{path}: made by train_gpt.py before the 2025-12-31 record's layouts; load it "
-                                    f"with the tools of the commit that made it")
+    if isinstance(args.seq_len, int) or "paired_head_layers" not in state["hyperparameters"]:
+        raise train_gpt.ConfigError(f"{path}: made by train_gpt.py before the 2026-01-07 record's rotary and layouts; "
+                                    f"load it with the tools of the commit that made it")
     try:
         train_gpt.check_hyperparameters(args, 1)
         max_seq_len = max(*args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
