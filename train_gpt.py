@@ -336,7 +336,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         group = self.param_groups[0]
-        momentum, nesterov = group["momentum"], group["nesterov"]
+        momentum = group["momentum"]
         for p in self.dealt[self.rank]:
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -864,14 +864,76 @@ class ChunkedSoftcapLoss(torch.autograd.Function):
         return cls.apply(xn, w, targets, chunk, softcap_in_xn_dtype, cap, offset)
 
 
-def multi_token_loss(logits: Tensor, targets: Tensor, weights: Tensor) -> Tensor:
-    """Multi-token prediction (the records from 2025-12-22): the sum over positions t and k < n of weights[k] times the
-    cross-entropy of logits (T, V) at t against the target k tokens ahead; terms past the sequence's end are zero."""
-    n, T = weights.numel(), targets.numel()
-    ahead = F.pad(targets, (0, n - 1)).unfold(0, n, 1)  # (T, n): row t holds targets t..t+n-1
-    losses = torch.logsumexp(logits, dim=-1)[:, None] - logits.gather(1, ahead)
-    past_end = torch.arange(T, device=logits.device)[:, None] + torch.arange(n, device=logits.device) >= T
-    return (losses.masked_fill(past_end, 0) * weights).sum()
+def targets_ahead(targets: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """(T, n): row t holds the targets t..t+n-1, and whether each lies within the sequence (multi-token prediction
+    counts no term past its end; none is masked at a document's)."""
+    T = targets.numel()
+    ahead = F.pad(targets, (0, n - 1)).unfold(0, n, 1)
+    return ahead, torch.arange(T, device=targets.device)[:, None] + torch.arange(n, device=targets.device) < T
+
+
+LOSS_BLOCK = 1024  # the columns the records' fused loss kernel (from 2026-01-16) takes at a time
+
+
+def kernel_softcap(logits: Tensor, cap: float, offset: float) -> tuple[Tensor, Tensor]:
+    """(cap s, s), s = sigmoid((z + offset) / 7.5) in float32 as the fused kernel writes it: 1 / (1 + exp(-u))."""
+    s = 1 / (1 + torch.exp(-((logits.float() + offset) / LOGIT_SOFTCAP_SPREAD)))
+    return cap * s, s
+
+
+def blockwise_logsumexp(z: Tensor) -> Tensor:
+    """Each row's log-sum-exp as the fused kernel makes it: over blocks of LOSS_BLOCK columns in order, the running sum
+    rescaled to the running maximum, then each block's sum of exp(z - that maximum) added."""
+    rows, cols = z.shape
+    blocks = -(-cols // LOSS_BLOCK)
+    z = F.pad(z, (0, blocks * LOSS_BLOCK - cols), value=float("-inf")).view(rows, blocks, LOSS_BLOCK)
+    running_max = z.amax(dim=-1).cummax(dim=-1).values
+    sums = torch.exp(z - running_max[..., None]).sum(dim=-1)
+    total = sums[:, 0]
+    for b in range(1, blocks):
+        total = total * torch.exp(running_max[:, b - 1] - running_max[:, b]) + sums[:, b]
+    return running_max[:, -1] + torch.log(total)
+
+
+class SoftcappedLoss(torch.autograd.Function):
+    """Training's loss as the records from 2026-01-16 compute it (their fused kernel's math, in PyTorch): each
+    position's cross-entropies against the next len(weights) targets of the float32 softcapped logits, weighted and
+    summed in order (multi-token prediction, records from 2025-12-22); the gradient of the raw logits made from the
+    saved logits and log-sum-exps in float32 in the kernel's order of operations, rounded once to the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, cap: float, offset: float) -> Tensor:
+        z = kernel_softcap(logits, cap, offset)[0]
+        lse = blockwise_logsumexp(z)
+        ahead, valid = targets_ahead(targets, weights.numel())
+        losses = torch.zeros_like(lse)
+        for k in range(weights.numel()):
+            losses = losses + torch.where(valid[:, k], weights[k] * (lse - z.gather(1, ahead[:, k:k + 1])[:, 0]), 0)
+        ctx.save_for_backward(logits, lse, targets, weights)
+        ctx.cap, ctx.offset = cap, offset
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, lse, targets, weights = ctx.saved_tensors
+        z, s = kernel_softcap(logits, ctx.cap, ctx.offset)
+        d_softcap = ((1 / LOGIT_SOFTCAP_SPREAD) * z) * (1 - s)
+        ahead, valid = targets_ahead(targets, weights.numel())
+        weight_sum = torch.zeros_like(lse)
+        for k in range(weights.numel()):
+            weight_sum = weight_sum + torch.where(valid[:, k], weights[k], 0)
+        softmax = torch.exp(z - lse[:, None])
+        grad_logits = (grad[:, None] * (weight_sum[:, None] * softmax) * d_softcap).to(logits.dtype)
+        # At each target, the weights of every k aiming there taken away, summed in k's order, as the kernel does.
+        for k in range(weights.numel()):
+            column = ahead[:, k:k + 1]
+            aimed = torch.zeros_like(lse)
+            for j in range(weights.numel()):
+                aimed = aimed + torch.where(valid[:, j] & (ahead[:, j] == column[:, 0]), weights[j], 0)
+            at = (grad[:, None] * (weight_sum[:, None] * softmax.gather(1, column) - aimed[:, None])
+                  * d_softcap.gather(1, column)).to(logits.dtype)
+            grad_logits.scatter_(1, column, torch.where(valid[:, k:k + 1], at, grad_logits.gather(1, column)))
+        return grad_logits, None, None, None, None
 
 
 class GPT(nn.Module):
@@ -891,7 +953,7 @@ class GPT(nn.Module):
                  logit_offset: float = LOGIT_OFFSET,
                  rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
                  matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (),
-                 softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
+                 val_softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
         if num_layers < 2:
@@ -958,9 +1020,7 @@ class GPT(nn.Module):
         self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
         self.lm_head = lm_head
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
-        if loss_chunk and softcap_in_run_dtype:
-            raise ValueError("the chunked training loss computes its softcap in float32: softcap_in_run_dtype needs loss_chunk=0")
-        self.softcap_in_run_dtype = softcap_in_run_dtype
+        self.val_softcap_in_run_dtype = val_softcap_in_run_dtype
         for table in [self.embed, *self.value_embeds]:
             table.to(embed_dtype)
         for module in self.modules():  # the lm_head and the gates
@@ -970,20 +1030,19 @@ class GPT(nn.Module):
     def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None,
                 mtp_weights: Tensor | None = None) -> Tensor:
         """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
-        the long layers' alone). Training returns the summed loss (multi_token_loss with mtp_weights), eval the mean,
-        EVAL_LOSS_CHUNK positions at a time."""
+        the long layers' alone). Training returns the summed loss (SoftcappedLoss; mtp_weights: each position's next
+        targets' weights, the next one's alone if None), eval the mean, EVAL_LOSS_CHUNK positions at a time."""
         x = self.trunk(input_seq, window, long_window=long_window)
         if self.training and not self.loss_chunk:
-            logits = self.softcapped_logits(x, self.softcap_in_run_dtype)
-            logits = logits.view(-1, logits.size(-1))
-            if mtp_weights is not None:
-                return multi_token_loss(logits, target_seq, mtp_weights)
-            return F.cross_entropy(logits, target_seq, reduction="sum")
-        if self.training and mtp_weights is not None:
+            logits = self.lm_head(norm(x))
+            weights = torch.ones(1, device=x.device) if mtp_weights is None else mtp_weights
+            return SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), target_seq, weights, self.logit_cap,
+                                        self.logit_offset).sum()
+        if self.training and mtp_weights is not None and mtp_weights.numel() > 1:
             raise ValueError("multi-token prediction needs the whole logits: loss_chunk=0")
         loss = ChunkedSoftcapLoss.loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq,
                                        self.loss_chunk if self.training else EVAL_LOSS_CHUNK,
-                                       self.softcap_in_run_dtype and not self.training, self.logit_cap, self.logit_offset)
+                                       self.val_softcap_in_run_dtype and not self.training, self.logit_cap, self.logit_offset)
         return loss if self.training else loss / target_seq.numel()
 
     def embedding(self, tokens: Tensor) -> Tensor:
@@ -1048,10 +1107,9 @@ class GPT(nn.Module):
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
         return e if before is None else e[1:]
 
-    def softcapped_logits(self, x: Tensor, in_run_dtype: bool = False) -> Tensor:
-        """Logits over the padded vocabulary from the final residual stream: float32, or softcapped in the run's dtype
-        (training's with loss_in_run_dtype)."""
-        return softcap(self.lm_head(norm(x)), in_run_dtype, self.logit_cap, self.logit_offset)
+    def softcapped_logits(self, x: Tensor) -> Tensor:
+        """Float32 logits over the padded vocabulary from the final residual stream (generation's, evaluation's)."""
+        return softcap(self.lm_head(norm(x)), False, self.logit_cap, self.logit_offset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1347,7 +1405,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-01-07 PairedHeadAttention); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2026-01-16 FusedSoftcappedEntropy); presets override some of them
 
 
 @dataclass
@@ -1398,7 +1456,7 @@ class Hyperparameters:
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
     matrices_in_run_dtype: bool = True  # the attention and MLP matrices stored in the run's dtype (bf16), Muon updating their float32 values (records from 2026-01-04)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
-    loss_in_run_dtype: bool = True  # training's softcap and cross-entropy, and validation's softcap, in the run's dtype (records from 2025-09-27); needs loss_chunk=0
+    val_softcap_in_run_dtype: bool = True  # validation's softcap in the run's dtype (bf16), its cross-entropy in float32 (records from 2025-09-27; training's loss is float32 from 2026-01-16)
     attention_scale: float = 0.1  # softmax scale in the first window stage
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
@@ -1505,7 +1563,7 @@ PRESETS = {
         final_long_window=0,
         rotary_in_run_dtype=False,
         head_and_gates_in_run_dtype=False,
-        loss_in_run_dtype=False,
+        val_softcap_in_run_dtype=False,
         muon_lr=0.025,  # the 2025-12-11 layouts double attention's and the MLPs' lr: their steps as measured at 0.05
         muon_momentum_cooldown_steps=0,
         loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
@@ -1593,9 +1651,6 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"mlp_down_lr_mul={args.mlp_down_lr_mul} must be > 0")
     if args.loss_chunk < 0:
         raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
-    if args.loss_in_run_dtype and args.loss_chunk:
-        raise ConfigError(f"loss_in_run_dtype needs loss_chunk=0 (got {args.loss_chunk}): the chunked training loss "
-                          f"computes its softcap in float32")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
     if not args.mtp_weights or args.mtp_weights[0] != 1 or min(args.mtp_weights) <= 0:
@@ -1774,7 +1829,7 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
                matrix_dtype=DTYPES[plan.dtype] if plan and args.matrices_in_run_dtype else torch.float32,
                paired_layers=paired_head_layers(args),
-               softcap_in_run_dtype=args.loss_in_run_dtype,
+               val_softcap_in_run_dtype=args.val_softcap_in_run_dtype,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 
@@ -1978,9 +2033,9 @@ class Trainer:
         self.window = window_at(0, args)
         self.untie_step = untie_step(args)
         self.tie_embedding(embed_tied_at(0, args))
-        # Each step's multi-token weights, made once (None: the next token's alone).
-        self.mtp_weights = [torch.tensor(w, device=plan.device) if len(w) > 1 else None
-                            for w in (mtp_weights_at(step, args) for step in range(args.num_iterations))]
+        # Each step's multi-token weights, made once ((1.0,): the next token's alone).
+        self.mtp_weights = [torch.tensor(w, device=plan.device) for w in (mtp_weights_at(step, args)
+                                                                          for step in range(args.num_iterations))]
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
 

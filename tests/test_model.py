@@ -562,16 +562,16 @@ def test_bf16_embeddings_path():
     model = randomize_(tiny_gpt())
     tokens, targets = documents()
     float64_model = copy.deepcopy(model).double()
-    fp32_exact, fp32_bound = first_order_bound(lambda: float64_model(tokens, targets, 2))
+    fp32_exact, fp32_bound = first_order_bound(lambda: summed_loss(float64_model, tokens, targets, 2))
     with torch.no_grad():
         assert abs(model(tokens, targets, 2).item() - fp32_exact) <= fp32_bound
     for table in [model.embed, *model.value_embeds]:
         table.to(torch.bfloat16)
     with TorchCalls() as bf16_forward:
-        loss = model(tokens, targets, 2)
+        loss = summed_loss(model, tokens, targets, 2)
     loss.backward()
     with TorchCalls(norm_dtype=torch.bfloat16) as float64_forward:
-        float64_loss = float64_model(tokens, targets, 2)
+        float64_loss = summed_loss(float64_model, tokens, targets, 2)
     tables = [table.weight for table in [float64_model.embed, *float64_model.value_embeds]]
     bound = probabilistic_bound(bf16_forward, float64_forward, float64_loss, tables)
     assert_within(loss.detach(), float64_loss.detach(), bound, "bf16 loss")
@@ -587,11 +587,18 @@ def long_document():
     return tokens, targets
 
 
+def summed_loss(model, tokens, targets, window):
+    """The training loss of the next token alone as plain differentiable operations, which tests/rounding.py traces:
+    the summed cross-entropy of the float32 softcap, what SoftcappedLoss computes with weights (1,)."""
+    logits = model.softcapped_logits(model.trunk(tokens, window))
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum")
+
+
 def exact_loss_and_bound(model, tokens, targets, window):
     """The model's summed training loss in float64 and the first-order bound on the error of any float32
     evaluation (tests/rounding.py): SDPA and FlexAttention kernels, eager or compiled, round within it."""
     exact = copy.deepcopy(model).double()
-    return first_order_bound(lambda: exact(tokens, targets, window))
+    return first_order_bound(lambda: summed_loss(exact, tokens, targets, window))
 
 
 @needs_flex_on_cpu
@@ -737,8 +744,8 @@ def test_chunked_loss_equals_the_whole_logits_loss(chunk, compiled):
 
 def test_model_takes_its_training_loss_from_the_chunked_loss_when_asked():
     """GPT.forward in training: with loss_chunk set, the summed loss and every parameter gradient are those of
-    ChunkedSoftcapLoss on the normed trunk output, to the bit; without, those of F.cross_entropy on the
-    softcapped logits. The two losses agree within float32 rounding (the test above)."""
+    ChunkedSoftcapLoss on the normed trunk output, to the bit; without, those of SoftcappedLoss on the raw logits (the
+    next token alone). The two losses agree within float32 rounding (the tests above)."""
     inputs, targets = documents()
     for loss_chunk in (0, 96):
         model = randomize_(tiny_gpt(loss_chunk=loss_chunk)).train()
@@ -749,8 +756,9 @@ def test_model_takes_its_training_loss_from_the_chunked_loss_when_asked():
         if loss_chunk:
             expected = train_gpt.ChunkedSoftcapLoss.apply(train_gpt.norm(x[0]), by_hand.lm_head.weight, targets, loss_chunk)
         else:
-            logits = by_hand.softcapped_logits(x)
-            expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum")
+            logits = by_hand.lm_head(train_gpt.norm(x))
+            expected = train_gpt.SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), targets, torch.ones(1),
+                                                      by_hand.logit_cap, by_hand.logit_offset).sum()
         expected.backward()
         assert torch.equal(loss, expected)
         for (name, p), twin in zip(model.named_parameters(), by_hand.parameters()):
@@ -1112,15 +1120,16 @@ def test_validation_takes_the_bf16_softcap_when_training_does():
 
 
 def test_the_records_dtypes_round_the_head_the_gates_and_the_loss():
-    """head_and_gates_in_run_dtype and loss_in_run_dtype (the records from 2025-09-11 and 09-27) at bf16: the lm_head,
-    attention-gate and smear-gate weights are the float32 build's rounded to bf16 (cast after every init draw, so the
-    other weights are the same draws); training's loss is F.cross_entropy's sum over the bf16-softcapped logits of
-    the bf16 lm_head, to the bit (random weights); validation's is the chunked loss's mean over the same softcap."""
+    """head_and_gates_in_run_dtype and val_softcap_in_run_dtype (the records from 2025-09-11 and 09-27) at bf16: the
+    lm_head, attention-gate and smear-gate weights are the float32 build's rounded to bf16 (cast after every init draw,
+    so the other weights are the same draws); training's loss is SoftcappedLoss's sum over the bf16 lm_head's raw logits
+    (the records' from 2026-01-16), to the bit (random weights); validation's is the chunked loss's mean over the bf16
+    softcap."""
     def build(linear_dtype):
         torch.manual_seed(0)
         return train_gpt.GPT(VOCAB, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=WINDOWS,
                              smear=True, attn_gates=True, embed_dtype=torch.bfloat16, linear_dtype=linear_dtype,
-                             softcap_in_run_dtype=linear_dtype == torch.bfloat16)
+                             val_softcap_in_run_dtype=linear_dtype == torch.bfloat16)
 
     plain, rounded = build(torch.float32), build(torch.bfloat16)
     linears = {name for name, m in rounded.named_modules() if isinstance(m, train_gpt.CastedLinear)}
@@ -1133,9 +1142,10 @@ def test_the_records_dtypes_round_the_head_the_gates_and_the_loss():
     inputs, targets = documents()
     loss = rounded.train()(inputs, targets, 2)
     x = train_gpt.norm(rounded.trunk(inputs, 2))
-    logits = train_gpt.softcap(torch.nn.functional.linear(x, rounded.lm_head.weight), in_z_dtype=True)  # by hand
-    assert loss.dtype == torch.bfloat16
-    assert torch.equal(loss, torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum"))
+    logits = torch.nn.functional.linear(x, rounded.lm_head.weight)  # by hand: bf16, unsoftcapped
+    assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    assert torch.equal(loss, train_gpt.SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), targets, torch.ones(1),
+                                                            train_gpt.LOGIT_SOFTCAP, train_gpt.LOGIT_OFFSET).sum())
     with torch.no_grad():
         val = rounded.eval()(inputs, targets, 2)
         expected = train_gpt.ChunkedSoftcapLoss.loss(x[0], rounded.lm_head.weight, targets, train_gpt.EVAL_LOSS_CHUNK,
@@ -1143,50 +1153,99 @@ def test_the_records_dtypes_round_the_head_the_gates_and_the_loss():
     assert torch.equal(val, expected)
 
 
-def test_multi_token_loss_is_the_weighted_sum_of_each_positions_cross_entropies():
-    """multi_token_loss against a per-position loop in float64: at each t and k < n with t + k < T, w_k (logsumexp of
-    row t - its entry at target t+k); the terms past the end are left out. Float64 on both sides (a sum of T n terms,
-    each within 4 ulps of its own magnitude from logsumexp's exp and log): within (T n + 8) u of the sum of the terms'
-    magnitudes; the gradient likewise against the loop's. A loss that counts the terms past the end differs."""
-    torch.manual_seed(0)
-    T, V = 37, 11
-    logits = (torch.randn(T, V, dtype=torch.float64) * 3).requires_grad_()
-    targets = torch.randint(0, V, (T,))
-    weights = torch.tensor([1.0, 0.5, 0.125], dtype=torch.float64)
-    loss = train_gpt.multi_token_loss(logits, targets, weights)
-    by_loop, magnitude = 0.0, 0.0
-    for t in range(T):
-        for k in range(3):
-            if t + k < T:
-                term = weights[k] * (torch.logsumexp(logits[t], 0) - logits[t, targets[t + k]])
-                by_loop, magnitude = by_loop + term, magnitude + term.abs().item()
-    u = UNIT_ROUNDOFF[torch.float64]
-    assert abs(loss.item() - by_loop.item()) <= (T * 3 + 8) * u * magnitude
-    (got,) = torch.autograd.grad(loss, logits)
-    (expected,) = torch.autograd.grad(by_loop, logits)
-    assert torch.allclose(got, expected, rtol=0, atol=(3 + 8) * u * 3)  # each entry: at most 3 terms, softmax <= 1
-    one = train_gpt.multi_token_loss(logits, targets, weights[:1])
-    assert one.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item(),
-                                       rel=16 * T * u)
-    # the control: the terms past the end counted, against the padding's target 0
-    tail = sum(weights[k] * (torch.logsumexp(logits[t], 0) - logits[t, 0]) for t in range(T) for k in range(3) if t + k >= T)
-    assert abs(loss.item() - (by_loop + tail).item()) > (T * 3 + 8) * u * magnitude
-    padded = train_gpt.multi_token_loss(logits[:T - 2], targets[:T - 2], weights)
-    assert padded.item() < loss.item()  # fewer positions, fewer (positive) terms
+def records_fused_loss(logits, targets, weights, grad, cap=23.0, offset=5.0, spread=7.5):
+    """The 2026-01-16 record's fused_softcapped_entropy kernels written out, row by row, in their order (torch's exp
+    and log for Triton's): forward s = 1 / (1 + exp(-(x + offset) / spread)) (tl.sigmoid) of the float32 raw logits,
+    z = cap s, lse by its loop over blocks of 1024 columns (the last padded with -inf): the running maximum m', the
+    running sum times exp(m - m') plus the block's sum of exp(z - m'), then m + log(sum); loss_r = the sum over k in
+    order of w_k (lse_r - z[target_(r+k)]) where r + k < T; backward, with the upstream gradient g_r, S_w the sum of
+    the valid w_k in order and t2 the weights aimed at each column summed in k's order:
+    bf16(g_r (S_w exp(z - lse) - t2) ((1 / spread) z) (1 - s))."""
+    T, n = targets.numel(), weights.numel()
+    losses, grads = torch.zeros(T), torch.zeros(logits.shape, dtype=logits.dtype)
+    blocks = -(-logits.size(1) // 1024)
+    for r in range(T):
+        s = 1 / (1 + torch.exp(-((logits[r].float() + offset) / spread)))
+        z = cap * s
+        padded = torch.cat([z, z.new_full((blocks * 1024 - z.numel(),), float("-inf"))])
+        running, total = torch.tensor(float("-inf")), torch.tensor(0.0)
+        for b in range(blocks):
+            block = padded[b * 1024:(b + 1) * 1024]
+            new = torch.maximum(running, block.max())
+            total = total * torch.exp(running - new) + torch.exp(block - new).sum()
+            running = new
+        lse = running + torch.log(total)
+        loss, weight_sum, aimed = torch.zeros(()), torch.zeros(()), torch.zeros_like(z)
+        for k in range(n):
+            if r + k < T:
+                loss = loss + weights[k] * (lse - z[targets[r + k]])
+                weight_sum = weight_sum + weights[k]
+                aimed[targets[r + k]] = aimed[targets[r + k]] + weights[k]
+        losses[r] = loss
+        grads[r] = (grad[r] * (weight_sum * torch.exp(z - lse) - aimed) * (((1 / spread) * z) * (1 - s))).to(logits.dtype)
+    return losses, grads
+
+
+def test_the_training_loss_is_the_records_fused_cross_entropy():
+    """SoftcappedLoss against the record's kernels written out (records_fused_loss), 50304 columns (50 blocks): the
+    per-row losses and the bf16 gradient of the raw logits equal to the bit, with three predictions (targets
+    coinciding across k, so the weights aimed at one column add) and with one. Against a float64 loop of the same
+    formula: the loss within its float32 roundings (each softcapped logit within (2 EXP_ULPS + 4) u of cap, the V-term
+    sum and each block's rescale (an exp and two roundings), the exp and log, each term's difference and product, the
+    k terms' sum), the gradient within its one bf16 rounding and 64 float32 ones of its terms' magnitudes. Counting the
+    terms past the end (against padding targets) gives another loss; so would torch's logsumexp on these logits."""
+    g = torch.Generator().manual_seed(0)
+    T, V = 29, 50304
+    logits = (torch.randn(T, V, generator=g) * 4).bfloat16()
+    targets = torch.randint(0, V, (T,), generator=g)
+    targets[7] = targets[8] = targets[9]  # the same column ahead for k = 0, 1, 2 at row 7
+    z = train_gpt.kernel_softcap(logits, 23.0, 5.0)[0]
+    assert not torch.equal(train_gpt.blockwise_logsumexp(z), torch.logsumexp(z, -1))  # the blocks' order shows
+    upstream = torch.rand(T, generator=g) + 0.5
+    u = UNIT_ROUNDOFF[torch.float32]
+    for weights in (torch.tensor([1.0, 0.5, 0.1875]), torch.tensor([1.0])):
+        ours = logits.clone().requires_grad_()
+        losses = train_gpt.SoftcappedLoss.apply(ours, targets, weights, 23.0, 5.0)
+        losses.backward(upstream)
+        by_hand, by_hand_grad = records_fused_loss(logits, targets, weights, upstream)
+        assert torch.equal(losses, by_hand) and torch.equal(ours.grad, by_hand_grad), weights
+        exact_logits = logits.double().requires_grad_()
+        z = 23 * torch.sigmoid((exact_logits + 5) / 7.5)
+        lse = torch.logsumexp(z, -1)
+        n = weights.numel()
+        exact = torch.stack([sum(weights[k].double() * (lse[r] - z[r, targets[r + k]]) for k in range(n) if r + k < T)
+                             for r in range(T)])
+        (exact * upstream.double()).sum().backward()
+        per_logit = (2 * EXP_ULPS + 4) * u * 23
+        lse_error = per_logit + gamma(V) + 50 * (EXP_ULPS + 2) * u + (2 * EXP_ULPS + 1) * u * lse.detach().abs()
+        terms = (lse.detach()[:, None] - z.detach()).abs().amax(-1)
+        loss_bound = n * (lse_error + per_logit + 2 * u * terms) + gamma(n) * n * terms
+        assert_within(losses, exact.detach(), loss_bound, f"{n} predictions")
+        magnitude = upstream.double()[:, None] * n * (23 / 7.5) * 0.25  # |g| S_w max|dz/dx|: a bound of each entry
+        grad_bound = UNIT_ROUNDOFF[torch.bfloat16] * exact_logits.grad.abs() + 64 * u * magnitude
+        assert_within(ours.grad, exact_logits.grad, grad_bound, f"{n} predictions' gradient")
+    weights = torch.tensor([1.0, 0.5, 0.1875])
+    kept = train_gpt.SoftcappedLoss.apply(logits, targets, weights, 23.0, 5.0)
+    counted = records_fused_loss(torch.cat([logits, logits[:2]]), torch.cat([targets, targets.new_zeros(2)]), weights,
+                                 torch.ones(T + 2))[0][:T]
+    assert torch.equal(kept[:T - 2], counted[:T - 2]) and not torch.equal(kept[T - 2:], counted[T - 2:])
 
 
 def test_training_with_multi_token_weights_takes_the_records_loss():
-    """The model's training loss with mtp_weights is multi_token_loss of its softcapped logits (in the run's dtype when
-    loss_in_run_dtype), to the bit; None is the plain summed cross-entropy; evaluation ignores nothing silently: a
-    chunked training loss refuses the weights."""
+    """The model's training loss with mtp_weights is SoftcappedLoss's sum over its raw logits with those weights, to
+    the bit; None is the next token's alone (weights (1,)), the summed cross-entropy of the float32 softcap within
+    float32's rounding; a chunked training loss refuses several weights."""
     model = randomize_(records_structure_gpt())
     model.train()
     tokens, targets = documents()
     weights = torch.tensor([1.0, 0.5, 0.2])
-    logits = model.softcapped_logits(model.trunk(tokens, 2)).view(-1, model.lm_head.out_features)
-    assert torch.equal(model(tokens, targets, 2, None, weights), train_gpt.multi_token_loss(logits, targets, weights))
-    assert torch.equal(model(tokens, targets, 2),
-                       torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+    logits = model.lm_head(train_gpt.norm(model.trunk(tokens, 2))).view(-1, model.lm_head.out_features)
+    loss = train_gpt.SoftcappedLoss.apply(logits, targets, weights, model.logit_cap, model.logit_offset).sum()
+    assert torch.equal(model(tokens, targets, 2, None, weights), loss)
+    one = train_gpt.SoftcappedLoss.apply(logits, targets, torch.ones(1), model.logit_cap, model.logit_offset).sum()
+    assert torch.equal(model(tokens, targets, 2), one) and not torch.equal(one, loss)
+    plain = torch.nn.functional.cross_entropy(train_gpt.softcap(logits), targets, reduction="sum")
+    assert abs(one.item() - plain.item()) <= gamma(T + 60) * plain.item()
     chunked = tiny_gpt(loss_chunk=128)
     with pytest.raises(ValueError, match="loss_chunk=0"):
         chunked(tokens, targets, 2, None, weights)

@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
 
 import train_gpt
 
@@ -40,8 +39,9 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
-        logits = model.softcapped_logits(x, model.softcap_in_run_dtype)  # training's
-        F.cross_entropy(logits.view(-1, logits.size(-1)), tokens[1:], reduction="sum")
+        logits = model.lm_head(train_gpt.norm(x))  # training's loss: its raw logits saved, and the log-sum-exps
+        train_gpt.SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), tokens[1:], torch.ones(1), model.logit_cap,
+                                       model.logit_offset).sum()
     return trunk, sum(storages.values()) - trunk
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     muon_bytes = sum((4 + 2 * (p.dtype == torch.bfloat16)) * p.numel() for group in muon.param_groups for p in group["params"])
     adam_state_bytes = sum(8 * p.numel() for group in adam.param_groups for p in group["params"])  # 2 float32 moments
     fixed = 2 * weights + adam_state_bytes + muon_bytes + casts
-    logit_grad = (2 if hp.loss_in_run_dtype else 4) * model.lm_head.weight.size(0)  # gradient of one position's logits
+    logit_grad = 2 * model.lm_head.weight.size(0)  # one position's logits' gradient, in bf16
     print(f"{args.preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters: saved for backward "
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
           f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "
