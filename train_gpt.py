@@ -317,12 +317,12 @@ class Muon(torch.optim.Optimizer):
         if len({p.dtype for p in params}) > 1:
             raise ValueError("Muon's matrices must share a dtype: the ranks gather them in one")
         self.neuron_beta2 = neuron_beta2
-        # The records' per-matrix lr factor, a float32 CPU scalar made once: sqrt(max(1, rows/cols)) of the matrix as
-        # they lay it out, (numel/cols, cols), times lr_mul. Each step multiplies it (and wd) by the lr in float32.
+        # The records' per-matrix lr factor: sqrt(max(1, rows/cols)) of each matrix of the stack (of q, k, v and o
+        # alone from 2026-01-18), times lr_mul. Each step's lr' and wd lr are made in double precision, then held in
+        # float32 CPU scalars (rounded once, as the records' from 2026-01-18), inputs of the compiled update.
         self.lr_mul, self.add_apart = lr_mul or {}, set(add_apart)
-        self.lr_factor = {p: torch.tensor(max(1.0, p.numel() / p.size(-1) ** 2) ** 0.5 * self.lr_mul.get(p, 1.0))
-                          for p in params}
-        self.wd_factor = torch.ones(())  # every matrix's wd_mul, 1: the records' float32 order (1 wd) lr
+        self.lr_factor = {p: max(1.0, p.size(-2) / p.size(-1)) ** 0.5 * self.lr_mul.get(p, 1.0) for p in params}
+        self.step_lr, self.decay = torch.zeros(()), torch.zeros(())
         self.orthogonalize = compiled_on_first_use(orthogonalize) if compiled else orthogonalize
         self.normalize = compiled_on_first_use(normalize_neurons) if compiled else normalize_neurons
         self.update = compiled_on_first_use(cautious_update) if compiled else cautious_update
@@ -337,6 +337,7 @@ class Muon(torch.optim.Optimizer):
     def step(self):
         group = self.param_groups[0]
         momentum = group["momentum"]
+        self.decay.fill_(group["weight_decay"] * group["lr"])
         for p in self.dealt[self.rank]:
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -371,8 +372,8 @@ class Muon(torch.optim.Optimizer):
             update = self._normalize_neurons(p, update)
         if p.dtype == torch.bfloat16 and "low_half" not in state:  # its value so far: exactly the bfloat16 one
             state["low_half"] = torch.zeros_like(p, dtype=torch.uint16)
-        wd_factor = self.wd_factor * group["weight_decay"] * group["lr"]
-        self.update(p, update, wd_factor, self.lr_factor[p] * group["lr"], state.get("low_half"))
+        self.step_lr.fill_(self.lr_factor[p] * group["lr"])
+        self.update(p, update, self.decay, self.step_lr, state.get("low_half"))
 
     def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
         state = self.state[p]
@@ -428,7 +429,7 @@ def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, st
 class Adam(torch.optim.Optimizer):
     """Adam with cautious weight decay, each group with its own lr, betas and wd_mul (decay lr^2 wd wd_mul: the lr
     twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
-    CUDA, as in the record. Parameters in idle (the untied embedding, before its untie) are not stepped."""
+    CUDA, as in the record. Parameters in idle (the embedding while it is tied) are not stepped."""
 
     def __init__(self, param_groups: list[dict], eps: float, weight_decay: float = 0.0, compiled: bool = False):
         if any("betas" not in group for group in param_groups):
@@ -642,36 +643,51 @@ BACKOUT_LAMBDA_INIT = 0.5  # the records' backout starts by taking out half of t
 
 
 def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
-    """Keys k (B, T, H, D) whose second and fourth quarters hold the previous position's, across documents (the
-    2025-12-14 record's partial key offset, out of place): the rotary's stationary dims until 2026-01-07 made the
-    first half turn in pairs, and the records kept the quarters. The first position keeps its own, or takes before
-    (B, 1, H, D), generation's previous raw key; so does each position where restarts (T,) is true."""
+    """Keys k (B, T, H, D) whose second half, the rotary's stationary dims, holds the previous position's, across
+    documents (the 2025-12-14 record's partial key offset, out of place; on these dims from 2026-01-19). The first
+    position keeps its own, or takes before (B, 1, H, D), generation's previous raw key; so does each position where
+    restarts (T,) is true."""
     previous = torch.cat([k[:, :1] if before is None else before, k[:, :-1]], dim=1)
     if restarts is not None:
         previous = torch.where(restarts[None, :, None, None], k, previous)
-    q = k.size(-1) // 4
-    return torch.cat([k[..., :q], previous[..., q:2 * q], k[..., 2 * q:3 * q], previous[..., 3 * q:]], dim=-1)
+    half = k.size(-1) // 2
+    return torch.cat([k[..., :half], previous[..., half:]], dim=-1)
+
+
+BIGRAM_MULTIPLIERS = (36313, 27191)  # the 2026-01-19 record's hash: these times the token and the one before it
+BIGRAM_LAMBDA_INIT = 0.1  # the records' bigram embedding joins each layer's input at a tenth (from 2026-01-19)
+
+
+def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Tensor:
+    """Each position's row of the bigram hash embedding, as the 2026-01-19 record hashes a sequence: the last row at its
+    first position, elsewhere (36313 t XOR 27191 p) mod (rows - 1) in int32 (the products wrap), p the token before;
+    its in-place hash leaves the second position's p the last row's index. Across documents; restarts (T,)
+    (evaluation's): each such position as a sequence's first."""
+    last = rows - 1
+    x = tokens.to(torch.int32)
+    first = torch.zeros_like(x, dtype=torch.bool) if restarts is None else restarts.clone()
+    first[0] = True
+    second = torch.cat([first.new_zeros(1), first[:-1]])
+    previous = torch.where(second, last, torch.cat([x[:1], x[:-1]]))
+    hashed = torch.bitwise_xor(BIGRAM_MULTIPLIERS[0] * x, BIGRAM_MULTIPLIERS[1] * previous) % last
+    return torch.where(first, last, hashed)
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head attention, its q, k, v and output projection one matrix (4, D, D) in matrix_dtype (the records'
-    bf16 from 2026-01-04, drawn in it). paired: the heads attend in pairs over a sequence twice as long (the records
-    from 2026-01-07): for each token, the first half of its heads' q, k, v rows at position 2t and the second half at
-    2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1) turns as one vector at 2t and 2t + 1."""
+    bf16 from 2026-01-04), zero until GPT draws q, k and v (draw_matrices). paired: the heads attend in pairs over a
+    sequence twice as long (the records from 2026-01-07): for each token, the first half of its heads' q, k, v rows at
+    position 2t and the second half at 2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1)
+    turns as one vector at 2t and 2t + 1."""
 
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False,
-                 key_offset: bool = False, init_std_scale: float = 0.5, paired: bool = False,
-                 matrix_dtype: torch.dtype = torch.float32):
+                 key_offset: bool = False, paired: bool = False, matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_heads, self.head_dim, self.key_offset, self.paired = num_heads, head_dim, key_offset, paired
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
-        bound = init_bound(model_dim, init_std_scale)
         # q, k, v and the output projection in one parameter (one Muon matrix each); the output starts at zero.
-        self.qkvo_w = nn.Parameter(torch.empty(4, model_dim, model_dim, dtype=matrix_dtype))
-        with torch.no_grad():
-            self.qkvo_w[:3].uniform_(-bound, bound)
-            self.qkvo_w[3].zero_()
+        self.qkvo_w = nn.Parameter(torch.zeros(4, model_dim, model_dim, dtype=matrix_dtype))
         # Optional gates, per head: the attention output times sigmoid(w . x[:12]), and the value embedding times
         # 2 sigmoid(w . x[:12]) (records from 2025-12-29).
         gate_inputs = min(GATE_INPUTS, model_dim)
@@ -713,12 +729,12 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """Both matrices stored (4 model_dim, model_dim) in matrix_dtype, one row per hidden unit, the down-projection
-    applied transposed (the records from 2025-12-11: their draws, and NorMuon's rows)."""
+    applied transposed (the records from 2025-12-11: their draws, and NorMuon's rows); zero until GPT draws the
+    up-projection (draw_matrices)."""
 
     def __init__(self, model_dim: int, matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
-        bound = init_bound(model_dim)
-        self.c_fc = nn.Parameter(torch.empty(4 * model_dim, model_dim, dtype=matrix_dtype).uniform_(-bound, bound))
+        self.c_fc = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
         self.c_proj = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -728,18 +744,21 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, attn_gate: bool = False,
-                 ve_gate: bool = False, key_offset: bool = False, attn_init_std: float = 0.5, paired: bool = False,
+                 ve_gate: bool = False, key_offset: bool = False, paired: bool = False,
                  matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset, attn_init_std,
-                                         paired, matrix_dtype) if has_attention else None)
+        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset, paired,
+                                         matrix_dtype) if has_attention else None)
         self.mlp = MLP(model_dim, matrix_dtype)
 
     def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, resid_lambda: Tensor, x0_lambda: Tensor,
                 attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0,
-                restarts: Tensor | None = None) -> Tensor:
-        """x0: the embeddings, None in the first layer, where x is x0 and the two lambdas are summed (the record)."""
+                restarts: Tensor | None = None, bigram: Tensor | None = None, bigram_lambda: Tensor | None = None) -> Tensor:
+        """x0: the embeddings, None in the first layer, where x is x0 and the two lambdas are summed (the record);
+        bigram: the bigram embedding, added times its lambda (records from 2026-01-19)."""
         x = (resid_lambda + x0_lambda) * x if x0 is None else resid_lambda * x + x0_lambda * x0
+        if bigram is not None:
+            x = x + bigram_lambda * bigram
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
         x = x + self.mlp(norm(x))
@@ -936,12 +955,24 @@ class SoftcappedLoss(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
+def draw_matrices(blocks: nn.ModuleList, model_dim: int, attn_init_std: float):
+    """The records' draws from 2026-01-18: every layer's q, k and v, then every up-projection and one more (the record's
+    padding MLP, discarded), each uniform in float32 and rounded once to its parameter's dtype."""
+    attention = [block.attn.qkvo_w[:3] for block in blocks if block.attn is not None]
+    up = [block.mlp.c_fc for block in blocks]
+    with torch.no_grad():
+        for weights, bound in ((attention, init_bound(model_dim, attn_init_std)), (up, init_bound(model_dim))):
+            for w in weights:
+                w.copy_(torch.empty(w.shape).uniform_(-bound, bound))
+        torch.empty(up[0].shape).uniform_()
+
+
 class GPT(nn.Module):
     """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
-    reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it; but the lm_head's
-    while the embedding is tied to it). windows: every
+    reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it). windows: every
     long window of a run in order, each with its softmax scale; skip_layers: the decoder layers that take a skip (None:
-    every one). embed_tied: the input embedding is the lm_head's weight (the records from 2025-12-19, until the untie)."""
+    every one). tie_embed: the input embedding starts as a copy of the lm_head, and the training keeps it one until
+    the untie (Trainer.tie_embedding; the records from 2025-12-19)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
@@ -952,7 +983,8 @@ class GPT(nn.Module):
                  attn_init_std: float = 0.5, head_init_std: float = 0.0, logit_cap: float = LOGIT_SOFTCAP,
                  logit_offset: float = LOGIT_OFFSET,
                  rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
-                 matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (),
+                 matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (), bigram_rows: int = 0,
+                 tie_embed: bool = False,
                  val_softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
         super().__init__()
@@ -966,10 +998,14 @@ class GPT(nn.Module):
         self.long_window = long_window_layers(num_layers)
         no_attention = attention_free_layer(num_layers, value_embed_layout)
         padded_vocab = next_multiple(vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
-        # Built in the record's order of random draws (the gates draw nothing), registered below in forward order.
+        # Built in the record's order of random draws, registered below in forward order. The smear's and the skip's
+        # gates start at zero after a draw the record discards (its nn.Linear's, from 2026-01-18).
         gate_inputs = min(GATE_INPUTS, model_dim)  # the gates read the first dims of their input
         smear_gate = CastedLinear(gate_inputs, 1) if smear else None
         skip_gate = CastedLinear(gate_inputs, 1) if skip_input_gate else None
+        for gate in (smear_gate, skip_gate):
+            if gate is not None:
+                torch.empty(gate.weight.shape).uniform_()
         value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
                                      for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
         with torch.no_grad():  # zero after their draws, which keeps every later draw in its place (records from 2025-12-14)
@@ -983,25 +1019,36 @@ class GPT(nn.Module):
                              f"{[i for i, long in enumerate(self.long_window) if long]} while key_offset is on)")
         blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, attn_gates,
                                      value_embed_gates and self.ve_layout[i] is not None,
-                                     key_offset and self.long_window[i], attn_init_std, self.paired[i], matrix_dtype)
+                                     key_offset and self.long_window[i], self.paired[i], matrix_dtype)
                                for i in range(num_layers))
+        draw_matrices(blocks, model_dim, attn_init_std)
         self.logit_cap, self.logit_offset = logit_cap, logit_offset
         lm_head = CastedLinear(model_dim, padded_vocab, lm_head_fp8_scales(fp8_grad_scale, logit_cap) if fp8 else None)
-        if head_init_std:
-            nn.init.normal_(lm_head.weight, mean=0, std=head_init_std)
+        if head_init_std:  # drawn as the record stores it from 2026-01-18, (model_dim, vocab), in its dtype
+            with torch.no_grad():
+                lm_head.weight.copy_(torch.empty(model_dim, padded_vocab, dtype=linear_dtype).normal_(0, head_init_std).T)
         self.embed = nn.Embedding(padded_vocab, model_dim)
-        self.embed_tied = False
+        if tie_embed:  # the record's copy of the lm_head, after the draw it discards
+            with torch.no_grad():
+                self.embed.weight.copy_(lm_head.weight)
+        # A token's bigram (hashed with the one before) looks up a row added to every layer's input (records from
+        # 2026-01-19); drawn, then zeroed, as the record's.
+        self.bigram_embed = nn.Embedding(bigram_rows, model_dim) if bigram_rows else None
+        if bigram_rows:
+            with torch.no_grad():
+                self.bigram_embed.weight.zero_()
         self.smear_gate, self.value_embeds = smear_gate, value_embeds
         # Scalars, one Adam tensor: per layer the residual stream's lambda, those on attention's (q k v, output)
-        # weights, then the smear's and the backout's lambdas where those are on, and the U-net skip weights. The x0
-        # lambdas are a tensor of their own: the records give them Adam's betas, the scalars smoother ones.
+        # weights and on the bigram embedding where it is on, then the smear's and the backout's lambdas where those are
+        # on, and the U-net skip weights. The x0 lambdas are a tensor of their own: the records give them other betas.
         self.skip_gates, self.backout_layer = skip_gates, backout_layer
         self.num_skip_weights = len(skip_receivers(num_layers))
-        self.smear_index = 3 * num_layers
+        self.smear_index = (4 if bigram_rows else 3) * num_layers
         self.backout_index = self.smear_index + int(smear)
         self.scalars = nn.Parameter(torch.cat([
             torch.full((num_layers,), residual_lambda_init),
             torch.tensor([0.5, 1.0]).repeat(num_layers),
+            torch.full((num_layers if bigram_rows else 0,), BIGRAM_LAMBDA_INIT),
             torch.zeros(int(smear)),
             torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
             torch.full((self.num_skip_weights,), SKIP_GATE_INIT if skip_gates else 1.0),
@@ -1021,7 +1068,7 @@ class GPT(nn.Module):
         self.lm_head = lm_head
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
         self.val_softcap_in_run_dtype = val_softcap_in_run_dtype
-        for table in [self.embed, *self.value_embeds]:
+        for table in [self.embed, *self.value_embeds, *([self.bigram_embed] if bigram_rows else [])]:
             table.to(embed_dtype)
         for module in self.modules():  # the lm_head and the gates
             if isinstance(module, CastedLinear):
@@ -1046,7 +1093,7 @@ class GPT(nn.Module):
         return loss if self.training else loss / target_seq.numel()
 
     def embedding(self, tokens: Tensor) -> Tensor:
-        return F.embedding(tokens, self.lm_head.weight) if self.embed_tied else self.embed(tokens)
+        return self.embed(tokens)
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -1068,6 +1115,11 @@ class GPT(nn.Module):
                 raise ValueError("restarts are for whole sequences: not with a cache")
             index = torch.arange(tokens.numel(), device=tokens.device)
             positions = index - torch.where(restarts, index, 0).cummax(0).values
+        bigram, bigram_lambdas = None, [None] * L
+        if self.bigram_embed is not None:  # generation's new tokens: hashed after the cached ones
+            seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
+            bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
+            bigram_lambdas = self.scalars[3 * L:4 * L]
         x = self.embedding(tokens)
         if self.smear_gate is not None:
             x = self.smear(x, self.embedding(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
@@ -1085,7 +1137,7 @@ class GPT(nn.Module):
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0 if i else None, layer_ve, resid_lambdas[i], self.x0_lambdas[i], attn_lambdas[i],
                                masks[self.paired[i], self.long_window[i]], self.rotary, scale,
-                               None if cache is None else cache.layers[i], positions, restarts)
+                               None if cache is None else cache.layers[i], positions, restarts, bigram, bigram_lambdas[i])
             if i in partners:
                 skips[partners[i]] = x
             if i == self.backout_layer:
@@ -1121,8 +1173,9 @@ class GradientBuckets:
     last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies).
     Buckets of deferred parameters (Adam's, when it steps every few steps) are reduced only on the steps that set
     reduce_deferred; in between, their gradients add up in the buffers, as each rank's own. Parameters in idle get no
-    gradient (the untied embedding, before its untie): their buckets are reduced without them, or not at all; a
-    parameter in alone gets a bucket of its own, skipped whole while it is idle."""
+    gradient of their own: their buckets are reduced without them, or not at all; a parameter in alone gets a bucket of
+    its own, skipped whole while it is idle. fold, (source, target): on the steps that reduce target, source's gradient
+    (the tied embedding's) joins target's before target's bucket is reduced, then starts again from zero."""
 
     def __init__(self, params_in_ready_order: list[nn.Parameter], bucket_bytes: int, world_size: int,
                  sum_dtype: torch.dtype | None = None, deferred: list[nn.Parameter] = (), alone: list[nn.Parameter] = ()):
@@ -1141,6 +1194,7 @@ class GradientBuckets:
         self.deferred = [id(bucket[0]) in deferred_ids for bucket in self.buckets]
         self.reduce_deferred = True  # this step reduces the deferred buckets too
         self.idle = set()
+        self.fold = None
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.offset_of = {p: sum(q.numel() for q in bucket[:i])
                           for bucket in self.buckets for i, p in enumerate(bucket)}
@@ -1174,13 +1228,21 @@ class GradientBuckets:
         elif p.grad.data_ptr() != self._slice(p).data_ptr():  # else each rank would step on its own gradient
             raise RuntimeError(f"the gradient of a {tuple(p.shape)} parameter left its bucket's buffer (was .grad "
                                f"set to None?): zero gradients with GradientBuckets.zero_grad()")
+        if self.fold is not None and p is self.fold[0]:  # one of the target's bucket's gradients
+            p = self.fold[1]
         b = self.bucket_of[p]
         if not self.last_micro_step or not self._due(b):
             return
         self.ready[b] += 1
         if self.ready[b] > self._expected(b):
             raise RuntimeError(f"gradient bucket {b} got more gradients than it has parameters in one step")
-        if self.ready[b] < self._expected(b) or self.world_size == 1:
+        if self.ready[b] < self._expected(b):
+            return
+        if self.fold is not None and b == self.bucket_of[self.fold[1]]:
+            source, target = self.fold  # the record's lm_head.grad += embed.grad, in their dtype
+            self._slice(target).add_(self._slice(source))
+            self._slice(source).zero_()
+        if self.world_size == 1:
             return
         self.handles[b] = dist.all_reduce(self.flat[b], op=dist.ReduceOp.AVG, async_op=True)
         self.reductions[b] += 1
@@ -1189,7 +1251,8 @@ class GradientBuckets:
         return (self.reduce_deferred or not self.deferred[b]) and self._expected(b) > 0
 
     def _expected(self, b: int) -> int:
-        return sum(p not in self.idle for p in self.buckets[b])
+        folded = self.fold is not None and self.bucket_of[self.fold[1]] == b
+        return sum(p not in self.idle for p in self.buckets[b]) + folded
 
     def wait_for_gradients(self):
         for b, bucket in enumerate(self.buckets):
@@ -1419,9 +1482,9 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 1775  # optimizer steps
+    num_iterations: int = 1600  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
-    cooldown_frac: float = 0.5  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
+    cooldown_frac: float = 0.55  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
     lr_stage_peaks: tuple = (1.0, 1.52, 1.73)  # lr multiplier before the cooldown in each equal part of the scheduled steps, from the step after a part begins (records from 2025-11-29)
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
@@ -1446,10 +1509,11 @@ class Hyperparameters:
     skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
+    bigram_rows: int = 5 * 50304  # rows of the bigram hash embedding added to every layer's input (records from 2026-01-19); 0: none
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
     attn_init_std: float = 1.0  # q, k, v weights start uniform with std attn_init_std / sqrt(model_dim) (records from 2025-12-22; 0.5 before)
     head_init_std: float = 0.005  # the lm_head's weights start normal with this std (records from 2025-12-19); 0: zero
-    untie_embed_frac: float = 2 / 3  # the input embedding is the lm_head's weight until the first Adam step from this fraction of the scheduled steps, then a copy of it and its Adam state (records from 2025-12-22); 0: its own from the start
+    untie_embed_frac: float = 2 / 3  # the input embedding is tied to the lm_head (a copy; records from 2025-12-22, in this form from 2026-01-18) until the first Adam step from this fraction of the scheduled steps, then trained apart from a copy of it and its Adam state; 0: its own from the start
     mtp_weights: tuple = (1.0, 0.5, 0.25)  # multi-token prediction: part k of as many equal parts of the scheduled steps weighs the next len-k tokens by these, the last fading to 0 over the part (records from 2025-12-22); (1.0,): next token only
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
@@ -1462,13 +1526,13 @@ class Hyperparameters:
     # optimizers
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.008  # Adam lr for the token embedding, once untied
-    value_embed_lr: float = 0.6  # Adam lr for the value embeddings
+    value_embed_lr: float = 0.6  # Adam lr for the value embeddings and the bigram embedding (the records give both the same)
     scalar_lr: float = 0.04  # Adam lr for skip weights and mixing lambdas
     gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
     skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
     head_betas: tuple = (0.5, 0.95)  # Adam's betas for the lm_head and the embedding (betas by parameter kind: records from 2026-01-04)
-    value_embed_betas: tuple = (0.75, 0.95)  # Adam's betas for the value embeddings
+    value_embed_betas: tuple = (0.75, 0.95)  # Adam's betas for the value embeddings and the bigram embedding
     gate_betas: tuple = (0.9, 0.99)  # Adam's betas for the gates and the scalars (the scalars': records from 2025-12-21)
     x0_betas: tuple = (0.65, 0.95)  # Adam's betas for the x0 lambdas
     adam_eps: float = 1e-10  # Adam epsilon
@@ -1557,6 +1621,7 @@ PRESETS = {
         x0_betas=(0.8, 0.95),
         paired_head_layers="none",
         matrices_in_run_dtype=False,
+        bigram_rows=0,
         adam_cautious_wd=0.0,
         key_offset=False,
         extension_steps=0,
@@ -1695,6 +1760,8 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if paired and args.num_heads % 2 or unpairable:
         raise ConfigError(f"paired_head_layers={args.paired_head_layers}: pairs of heads need an even num_heads (got "
                           f"{args.num_heads}) and layers with attention and no key offset (not {unpairable})")
+    if args.bigram_rows < 0 or args.bigram_rows == 1:
+        raise ConfigError(f"bigram_rows={args.bigram_rows} must be 0 (none) or at least 2 (the hash takes rows - 1)")
     for name in ("head_betas", "value_embed_betas", "gate_betas", "x0_betas"):
         betas = getattr(args, name)
         if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
@@ -1828,14 +1895,14 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
                linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
                matrix_dtype=DTYPES[plan.dtype] if plan and args.matrices_in_run_dtype else torch.float32,
-               paired_layers=paired_head_layers(args),
+               paired_layers=paired_head_layers(args), bigram_rows=args.bigram_rows, tie_embed=bool(args.untie_embed_frac),
                val_softcap_in_run_dtype=args.val_softcap_in_run_dtype,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
 
 
 # Adam's weight-decay multipliers (the records' from 2025-12-29); the other parameters' is 0.
-ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
+ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)  # value_embeds: the bigram embedding's too
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
@@ -1849,8 +1916,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     groups = [
         dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=args.head_betas),
         dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"], betas=args.head_betas),
-        dict(params=[t.weight for t in model.value_embeds], lr=args.value_embed_lr, wd_mul=ADAM_WD_MULS["value_embeds"],
-             betas=args.value_embed_betas),
+        dict(params=[t.weight for t in [*model.value_embeds, *([model.bigram_embed] if model.bigram_embed else [])]],
+             lr=args.value_embed_lr, wd_mul=ADAM_WD_MULS["value_embeds"], betas=args.value_embed_betas),
         dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=args.gate_betas),
         dict(params=[g.weight for g in (model.smear_gate,) if g is not None], lr=args.smear_gate_lr, wd_mul=0.0,
              betas=args.gate_betas),
@@ -1977,17 +2044,17 @@ def untie_step(args: Hyperparameters) -> int | None:
 
 
 def embed_tied_at(step: int, args: Hyperparameters) -> bool:
-    """Whether step's forward takes its input embedding from the lm_head's weight."""
+    """Whether step's input embedding is the lm_head's copy, its gradient added to the lm_head's (Trainer.tie_embedding)."""
     untie = untie_step(args)
     return untie is not None and step <= untie
 
 
 def training_shapes(args: Hyperparameters) -> dict[tuple, int]:
-    """The first step of each (seq_len, window, multi-token predictions, embedding tied) of the training steps, in
-    order: each compiles its own graphs."""
+    """The first step of each (seq_len, window, multi-token predictions) of the training steps, in order: each compiles
+    its own graphs."""
     shapes = {}
     for step in range(args.num_iterations):
-        shape = (seq_len_at(step, args), window_at(step, args), len(mtp_weights_at(step, args)), embed_tied_at(step, args))
+        shape = (seq_len_at(step, args), window_at(step, args), len(mtp_weights_at(step, args)))
         shapes.setdefault(shape, step)
     return shapes
 
@@ -2045,11 +2112,14 @@ class Trainer:
         self.tie_embedding(embed_tied_at(step, self.args))
 
     def tie_embedding(self, tied: bool):
-        """The input embedding from the lm_head's weight or its own; its own parameter then gets no gradient."""
-        self.model.embed_tied = tied
+        """Tied, as the records from 2026-01-18 tie them: the input embedding is a copy of the lm_head whose gradient
+        joins the lm_head's on Adam's steps (in the gradient buckets, before the lm_head's is reduced); Adam steps
+        the lm_head alone, and the embedding takes a new copy."""
+        self.tied = tied
         self.adam.idle = {self.model.embed.weight} if tied else set()
         if self.buckets is not None:
             self.buckets.idle = self.adam.idle
+            self.buckets.fold = (self.model.embed.weight, self.model.lm_head.weight) if tied else None
 
     def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One optimizer step (Adam's only every adam_every steps, on their summed gradients); returns the mean training
@@ -2067,6 +2137,8 @@ class Trainer:
             total += loss.detach()
         if self.buckets is not None:
             self.buckets.wait_for_gradients()
+        elif self.tied and adam_steps:
+            self.model.lm_head.weight.grad.add_(self.model.embed.weight.grad)
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, self.args)
@@ -2077,6 +2149,8 @@ class Trainer:
             optimizer.step()
         if step == self.untie_step:  # the input embedding goes its own way from the lm_head's values and Adam state
             self.adam.copy_state(self.model.lm_head.weight, self.model.embed.weight)
+        elif self.tied and adam_steps:
+            self.model.embed.weight.data.copy_(self.model.lm_head.weight.data)
         if self.buckets is not None:
             self.buckets.zero_grad()
         else:

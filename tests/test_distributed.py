@@ -10,6 +10,7 @@ per-sequence losses in float64 too. Runs that switch something off, record what 
 a failure go through tests/dist_helpers.py, which imports train_gpt.
 """
 
+import functools
 import json
 import math
 import os
@@ -147,13 +148,13 @@ def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
 
 @pytest.mark.parametrize("nproc, batch_slots", [(2, 8), (4, 4)])
 def test_processes_with_accumulation_train_like_one(nproc, batch_slots, tiny_shards, tmp_path):
-    """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps, with the 2025-12-31
-    record's pieces: multi-token prediction, the embedding tied until step 3 (its own table idle in the buckets until
-    then), Adam every other step with cautious decay, the gates. The sums run in other orders, which exact_grad_sum
-    makes irrelevant."""
+    """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps, with the records'
+    pieces: multi-token prediction, the embedding tied until step 3 (its gradient folded into the lm_head's in the
+    buckets until then), Adam every other step with cautious decay, the gates, the bigram hash embedding (each
+    rank's sequences hashed where they are). The sums run in other orders, which exact_grad_sum makes irrelevant."""
     pieces = ["--mtp_weights=1,0.5", "--untie_embed_frac=0.5", "--loss_chunk=0", "--adam_every=2", "--head_init_std=0.005",
               "--adam_cautious_wd=0.005", "--value_embed_gates=true", "--skip_input_gate=true", "--logit_cap=23",
-              "--logit_offset=5"]
+              "--logit_offset=5", "--bigram_rows=5003"]
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
                  train_args(tmp_path / "one", batch_slots, *tiny_shards, *pieces, iterations=6))
     assert "gradient sum: float64 over micro-steps and ranks" in one.log
@@ -372,6 +373,48 @@ def test_float64_gradient_sum_is_exact_and_independent_of_the_order():
             assert grad.dtype == p.dtype
             assert torch.equal(grad, ref), f"step {step}: {(grad.double() - ref.double()).abs().max():.3e}"
     assert buckets.steps == 3 and buckets.reductions == [0, 0]  # world size 1: nothing on the wire
+
+
+@pytest.mark.parametrize("sum_dtype", [None, torch.float64])
+def test_a_folded_gradient_joins_its_targets_once_before_the_reduction(sum_dtype):
+    """The tie of the records from 2026-01-18: a source (the embedding: idle, deferred, a bucket of its own) whose
+    gradient, summed over two steps of three micro-steps, joins its target's (the lm_head's), summed likewise, on the
+    last micro-step of the step that reduces them, in the target's dtype (lm_head.grad += embed.grad), then starts again
+    from zero; on the other step nothing moves. The data tell this from summing both in each backward (the tie of
+    the records before). With sum_dtype=float64, both sums exact and rounded once."""
+    g = torch.Generator().manual_seed(0)
+    target, source = (torch.nn.Parameter(torch.zeros(500, dtype=torch.bfloat16)) for _ in range(2))
+    other = torch.nn.Parameter(torch.zeros(300))
+    coeffs = [[(torch.randn(p.numel(), generator=g) * 2.0 ** torch.randint(-8, 9, (p.numel(),), generator=g)).to(p.dtype)
+               for p in (target, source, other)] for _ in range(6)]
+    buckets = train_gpt.GradientBuckets([target, other, source], 10**9, 1, sum_dtype, deferred=[target, source],
+                                        alone=[source])
+    buckets.idle, buckets.fold = {source}, (source, target)
+    for step in range(2):
+        buckets.reduce_deferred = step == 1
+        for i in range(3):
+            buckets.last_micro_step = i == 2
+            sum((p * c).sum().float() for p, c in zip((target, source, other), coeffs[3 * step + i])).backward()
+        buckets.wait_for_gradients()
+        if step == 0:
+            assert source.grad is None if sum_dtype else source.grad.any()
+            unfolded = target.grad.clone() if sum_dtype is None else None
+            buckets.zero_grad()
+    if sum_dtype is None:
+        summed = [coeffs[0][j] for j in range(2)]
+        for k in range(1, 6):
+            summed = [summed[j] + coeffs[k][j] for j in range(2)]  # autograd's accumulation, rounded each time
+        expected = summed[0] + summed[1]
+        assert torch.equal(unfolded, functools.reduce(torch.add, (coeffs[k][0] for k in range(3))))
+        assert not source.grad.any()
+        per_backward = functools.reduce(torch.add, (coeffs[k][0] + coeffs[k][1] for k in range(6)))
+        assert not torch.equal(per_backward, expected)
+    else:
+        expected = sum(coeffs[k][j].double() for k in range(6) for j in range(2)).to(torch.bfloat16)
+        assert source.grad is None
+    assert torch.equal(target.grad, expected)
+    assert torch.equal(other.grad, coeffs[3][2] + coeffs[4][2] + coeffs[5][2] if sum_dtype is None else
+                       sum(coeffs[k][2].double() for k in (3, 4, 5)).float())
 
 
 def test_a_parameter_without_gradient_is_reported():

@@ -57,6 +57,8 @@ def randomize_(model, seed=1):
         model.scalars.add_(0.3 * torch.randn_like(model.scalars))
         for table in model.value_embeds:  # last: the draws before keep their values
             table.weight.normal_(0, 0.5)
+        if model.bigram_embed is not None:  # smaller: a table as large as the value embeddings' swamps the context
+            model.bigram_embed.weight.normal_(0, 0.1)
     return model
 
 
@@ -183,10 +185,10 @@ def test_unet_wiring(depth):
 
 
 def offset_by_loop(k, before=None, restarts=None):
-    """The partial key offset position by position: in dims D/4..D/2 and 3D/4..D position t takes position t-1's key,
-    position 0 before's (or keeps its own), a restart keeps its own; every other dim untouched."""
+    """The partial key offset position by position: in dims D/2..D position t takes position t-1's key, position 0
+    before's (or keeps its own), a restart keeps its own; every other dim untouched."""
     D = k.size(-1)
-    moved = [*range(D // 4, D // 2), *range(3 * D // 4, D)]
+    moved = [*range(D // 2, D)]
     out = k.clone()
     for t in range(k.size(1)):
         if (restarts is not None and restarts[t]) or (t == 0 and before is None):
@@ -196,11 +198,10 @@ def offset_by_loop(k, before=None, restarts=None):
     return out
 
 
-def test_offset_keys_moves_the_second_and_fourth_quarters_one_position_on():
+def test_offset_keys_moves_the_second_half_one_position_on():
     """offset_keys against offset_by_loop on random keys (2, 9, 3, 16), without and with a key before and restarts
-    (at 0, 4 and 5): equal, values moved whole. The moved dims, the second and fourth quarters, were those rotary left
-    still until it turned adjacent pairs (2026-01-07): now the second quarter turns, the fourth is still, as in the
-    records until 2026-01-19. Gradients: each position's moved dims get the next position's incoming gradient, a
+    (at 0, 4 and 5): equal, values moved whole. The moved dims, the second half, are those the rotary leaves still
+    (the records from 2026-01-19; from 01-07 to 01-18 the second and fourth quarters). Gradients: each position's moved dims get the next position's incoming gradient, a
     restart's also its own, and before the first position's; autograd through the loop's copies gives the same sums of
     at most two terms: equal."""
     g = torch.Generator().manual_seed(0)
@@ -208,8 +209,8 @@ def test_offset_keys_moves_the_second_and_fourth_quarters_one_position_on():
     restarts = torch.zeros(9, dtype=torch.bool)
     restarts[[0, 4, 5]] = True
     rotary = train_gpt.Rotary(16, max_seq_len=9)
-    still = [*range(4, 8), *range(12, 16)]  # the moved dims
-    assert [d for d in range(16) if rotary.freqs[d] == 0] == [*range(8, 16)] and rotary.freqs[4:8].all()
+    still = [*range(8, 16)]  # the moved dims
+    assert [d for d in range(16) if rotary.freqs[d] == 0] == still
     for kwargs in (dict(), dict(before=before), dict(restarts=restarts), dict(before=before, restarts=restarts)):
         inputs = {name: t.clone().requires_grad_() for name, t in dict(k=k, before=before).items()}
         loop_inputs = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
@@ -791,53 +792,85 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
 
 
 def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=0, skip_layers=(6,),
-                          residual_lambda_init=1.1, paired_layers=(0, 2, 5, 9)):
-    """The records' structure of 2026-01-07, at width 32: the 12-layer U without its layer 0, the smear, attention
+                          residual_lambda_init=1.1, paired_layers=(0, 2, 5, 9), bigram_rows=5 * 50304):
+    """The records' structure of 2026-01-19, at width 32: the 12-layer U without its layer 0, the smear, attention
     gates, value-embedding gates, one sigmoid-gated skip (3 into 6; None: every receiver, 4..0 into 5..9) with its
     input gate, block inputs 1.1 x at init, the backout (after block 7), the key offset on the long-window layers,
-    the heads paired in layers 0, 2, 5 and 9, q/k/v drawn with std 1 / sqrt(d), the lm_head with std 0.005."""
+    the heads paired in layers 0, 2, 5 and 9, q/k/v drawn with std 1 / sqrt(d), the lm_head with std 0.005 and the
+    embedding its copy, the bigram hash embedding."""
     torch.manual_seed(seed)
     return train_gpt.GPT(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T, windows=windows,
                          smear=True, attn_gates=True, value_embed_gates=True, key_offset=True, skip_gates=True,
                          skip_input_gate=True, skip_layers=skip_layers, residual_lambda_init=residual_lambda_init,
-                         backout_layer=backout_layer, attn_init_std=1.0, head_init_std=0.005, paired_layers=paired_layers)
+                         backout_layer=backout_layer, attn_init_std=1.0, head_init_std=0.005, paired_layers=paired_layers,
+                         bigram_rows=bigram_rows, tie_embed=True)
+
+
+def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int, head_std: float = 0.0,
+                         head_dtype=torch.float32, gates: int = 0, value_tables: int = 3, bigram_rows: int = 0,
+                         seed: int = 0) -> dict:
+    """The 2026-01-19 record's construction, its draws in its own form: the smear's and skip's nn.Linear(12, 1), the
+    three value embeddings, one uniform_ on the attention bank's q/k/v rows and one on the MLP bank's up-projections
+    (one padding MLP), the lm_head drawn (D, vocab) in its dtype, the embedding (a draw it replaces), the bigram table."""
+    torch.manual_seed(seed)
+    for _ in range(gates):
+        torch.nn.Linear(min(12, D), 1, bias=False)
+    for _ in range(value_tables):
+        torch.nn.Embedding(vocab, D)
+    attn_bank, mlp_bank = torch.empty(attention_layers, 4 * D, D), torch.empty(layers + 1, 2, 4 * D, D)
+    attn_bank[:, :3 * D].uniform_(-(3**0.5) * D**-0.5, 3**0.5 * D**-0.5)
+    mlp_bank[:, 0].uniform_(-(3**0.5) * 0.5 * D**-0.5, 3**0.5 * 0.5 * D**-0.5)
+    drawn = dict(qkv=attn_bank[:, :3 * D].reshape(attention_layers, 3, D, D), c_fc=mlp_bank[:layers, 0])
+    if head_std:
+        drawn["lm_head"] = torch.empty(D, vocab, dtype=head_dtype).normal_(0, head_std)
+    drawn["embed"] = torch.nn.Embedding(vocab, D).weight.detach()
+    if bigram_rows:
+        drawn["bigram"] = torch.nn.Embedding(bigram_rows, D).weight.detach()
+    return drawn
 
 
 def test_the_records_structure_starts_as_the_record_does():
-    """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 40 scalars: the stream's lambdas at
-    1.1, the (0.5, 1) lambdas of each layer's attention, the smear's lambda at 0, the backout's at 0.5, five skip
-    weights at -1.5; x0 lambdas 0; the gates (smear, skip, attention, value embeddings) zero, drawing nothing; the draws
-    in the record's order: the value embeddings (zeroed after), each layer's q/k/v (std 1 / sqrt(d)) and up-projection,
-    the lm_head (normal, std 0.005), the token embedding."""
+    """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 51 scalars: the stream's lambdas at
+    1.1, the (0.5, 1) lambdas of each layer's attention, the bigram embedding's at 0.1, the smear's lambda at 0, the
+    backout's at 0.5, five skip weights at -1.5; x0 lambdas 0; the gates (smear, skip, attention, value embeddings), the
+    value embeddings and the bigram table zero; the matrices, the lm_head and the embedding (its copy) as the record's
+    construction draws them (replay_records_draws); a replay from another seed differs in each."""
     model = records_structure_gpt()
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.key_offset] == [3, 10]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate is not None] == [0, 1, 8, 9, 10]
-    expected = torch.cat([torch.full((11,), 1.1), torch.tensor([0.5, 1.0]).repeat(11), torch.tensor([0.0, 0.5]),
-                          torch.full((5,), -1.5)])
+    expected = torch.cat([torch.full((11,), 1.1), torch.tensor([0.5, 1.0]).repeat(11), torch.full((11,), 0.1),
+                          torch.tensor([0.0, 0.5]), torch.full((5,), -1.5)])
     assert torch.equal(model.scalars.detach(), expected) and torch.equal(model.x0_lambdas, torch.zeros(11))
     gates = [model.smear_gate, model.skip_gate] + [g for b in model.blocks if b.attn is not None
                                                    for g in (b.attn.attn_gate, b.attn.ve_gate) if g is not None]
     assert len(gates) == 17 and all(g.weight.size(1) == 12 and not g.weight.any() for g in gates)
     assert len(model.value_embeds) == 3 and all(not table.weight.any() for table in model.value_embeds)
-    torch.manual_seed(0)
+    assert model.bigram_embed.weight.shape == (5 * 50304, 32) and not model.bigram_embed.weight.any()
     padded = train_gpt.next_multiple(VOCAB, 128)
-    for _ in range(3):
-        torch.nn.Embedding(padded, 32)
-    for i in range(11):
-        if i != 6:
-            bound = 3**0.5 * 32**-0.5
-            assert torch.equal(model.blocks[i].attn.qkvo_w[:3], torch.empty(96, 32).uniform_(-bound, bound).view(3, 32, 32))
-        assert torch.equal(model.blocks[i].mlp.c_fc, torch.empty(128, 32).uniform_(-bound / 2, bound / 2))
-    assert torch.equal(model.lm_head.weight, torch.empty(padded, 32).normal_(0, 0.005))
-    assert torch.equal(model.embed.weight, torch.nn.Embedding(padded, 32).weight)
+    for seed, same in ((0, True), (1, False)):
+        drawn = replay_records_draws(32, 11, 10, padded, 0.005, gates=2, bigram_rows=5 * 50304, seed=seed)
+        attention = [b.attn.qkvo_w[:3] for b in model.blocks if b.attn is not None]
+        found = [torch.equal(w, r) for w, r in zip(attention, drawn["qkv"])]
+        found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
+        found += [torch.equal(model.lm_head.weight, drawn["lm_head"].T), torch.equal(model.embed.weight, drawn["lm_head"].T)]
+        assert found == [same] * 23, seed
     adam, muon = train_gpt.build_optimizers(model, train_gpt.Hyperparameters())
     assert {id(g.weight) for g in gates} <= {id(p) for group in adam.param_groups for p in group["params"]}
 
 
+def records_bigram_hash(tokens, rows):
+    """The 2026-01-19 record's get_bigram_hash as it wrote it, in place: the first position's row the last, then
+    (36313 t XOR 27191 p) mod (rows - 1) in int32 from the tensor whose first entry it has just overwritten."""
+    x = tokens.to(torch.int32).clone()
+    x[0] = rows - 1
+    x[1:] = torch.bitwise_xor(36313 * x[1:], 27191 * x[:-1]) % (rows - 1)
+    return x
+
+
 def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
     """The 2026-01-07 record's CausalSelfAttention.forward written out (its dense-mask attention through attend):
-    sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key offset of dims D/4..D/2 and 3D/4..D, v + 2 sigmoid(gate)
+    sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key offset of dims D/2..D (2026-01-19), v + 2 sigmoid(gate)
     ve, the gate, sa_lambdas[1] on the output weights; and its PairedHeadCausalSelfAttention.forward where attn is
     paired: q and k viewed (B, T, H/2, 2d) for the rotary at positions 2t, 2t + 1 (paired=True), then (B, 2T, H/2, d),
     v reshaped so, the value-embedding gate viewed (B, 2T, H/2, 1), the output viewed back (B, T, H, d)."""
@@ -854,8 +887,7 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
         q, k = rotary(q), rotary(k)
     if key_offset:  # the record's in-place shift, its right side read before the write (as compiled)
         k = k.clone()
-        k[:, 1:, :, d // 4:d // 2] = k[:, :-1, :, d // 4:d // 2].clone()
-        k[:, 1:, :, 3 * d // 4:] = k[:, :-1, :, 3 * d // 4:].clone()
+        k[:, 1:, :, d // 2:] = k[:, :-1, :, d // 2:].clone()
     if ve is not None and attn.ve_gate is not None:
         gate = 2 * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.ve_gate.weight))
         v = v + gate.view(B, 2 * T, H // 2, 1) * ve.view_as(v) if attn.paired else v + gate.view(B, T, H, 1) * ve.view_as(v)
@@ -871,9 +903,10 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
 @pytest.mark.parametrize("listing", ["2025-12-14", "full U"])
 @pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
 def test_the_records_structure_computes_the_records_forward(window, long_window, listing):
-    """The trunk against the 2026-01-07 record's GPT.forward written out, blocks included (and a U-net of every skip,
+    """The trunk against the 2026-01-19 record's GPT.forward written out, blocks included (and a U-net of every skip,
     4..0 pushed and popped by 5..9): the smear; layer 3's output added through a sigmoid gate times 2 sigmoid(v .
-    x0[:12]) before layer 6's mixing; layer 0's input (r0 + x0_0) x, the others' r x + l x0; attention by
+    x0[:12]) before layer 6's mixing; layer 0's input (r0 + x0_0) x + b0 bigram, the others' r x + l x0 + b bigram, the
+    bigram embedding's rows by the record's hash (records_bigram_hash); attention by
     records_attention, the heads paired in 0, 2, 5 and 9 (their short window over the doubled sequence), the key
     shifted on the long layers 3 and 10, none in 6; the MLP F.linear(relu(F.linear(x, c_fc))^2, c_proj^T); the residual
     after block 7 times its lambda taken out; the final validation's wider long window on 3 and 10 alone. The same
@@ -882,8 +915,9 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
     model = randomize_(records_structure_gpt(skip_layers=None if unet else (6,)))
     tokens, _ = documents()
     s, F = model.scalars, torch.nn.functional
-    resid_lambdas, sa_lambdas, x0_lambdas = s[:11], s[11:33].view(11, 2), model.x0_lambdas
-    smear_lambda, backout_lambda, skip_weights = s[33], s[34], s[35:40]
+    resid_lambdas, sa_lambdas, x0_lambdas, bigram_lambdas = s[:11], s[11:33].view(11, 2), model.x0_lambdas, s[33:44]
+    smear_lambda, backout_lambda, skip_weights = s[44], s[45], s[46:51]
+    bigram = model.bigram_embed(records_bigram_hash(tokens, model.bigram_embed.num_embeddings))[None]
     e = model.embed(tokens)
     gate = smear_lambda * torch.sigmoid(F.linear(e[1:, :12], model.smear_gate.weight))
     x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
@@ -898,7 +932,10 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
             x = x + torch.sigmoid(skip_weights[i - 5]) * 2 * torch.sigmoid(F.linear(x0[..., :12], model.skip_gate.weight)) * skips.pop()
         if not unet and i == 6:
             x = x + torch.sigmoid(skip_weights[1]) * 2 * torch.sigmoid(F.linear(x0[..., :12], model.skip_gate.weight)) * skips.pop()
-        x = (resid_lambdas[0] + x0_lambdas[0]) * x if i == 0 else resid_lambdas[i] * x + x0_lambdas[i] * x0
+        if i == 0:
+            x = (resid_lambdas[0] + x0_lambdas[0]) * x + bigram_lambdas[0] * bigram
+        else:
+            x = resid_lambdas[i] * x + x0_lambdas[i] * x0 + bigram_lambdas[i] * bigram
         block = model.blocks[i]
         if i != 6:
             x = x + records_attention(block.attn, train_gpt.norm(x), ve[i], sa_lambdas[i],
@@ -1053,26 +1090,20 @@ def test_value_embedding_gates_sit_on_value_embedding_layers_and_train_with_adam
 
 
 @pytest.mark.parametrize("depth", [4, 11])
-def test_the_draws_follow_the_layers_and_the_value_embeddings_are_zeroed_after_theirs(depth):
-    """A model equals a replay of the draws in the records' order from the same seed: each value embedding (drawn,
-    then zeroed: 2025-12-14), then per layer the attention's q, k, v as one (3 d, d) draw (the gates draw nothing)
-    where there is attention, and the MLP's up-projection as a (4 d, d) draw, uniform in +-sqrt(3) 0.5 / sqrt(d), then
-    the token embedding (2025-12-19). A replay without the value embeddings' draws gives other weights."""
+def test_the_draws_follow_the_records_construction(depth):
+    """Other depths, the gates and the lm_head off (the cpu preset's form): the value embeddings (drawn, then zeroed:
+    2025-12-14), every q, k, v, then every up-projection and the padding MLP's, then the token embedding, its own draw
+    when not tied, as the 2026-01-19 record's construction (replay_records_draws). A replay without the value
+    embeddings' draws gives other weights; so does one with the record's attention std."""
     torch.manual_seed(0)
-    model = train_gpt.GPT(256, depth, 2, 16, 32, T, attn_gates=True, key_offset=True, windows=WINDOWS)
-    assert all(not table.weight.any() for table in model.value_embeds)
-    bound = 3**0.5 * 0.5 / 32**0.5
-    for draw_value_embeds in (True, False):
-        torch.manual_seed(0)
-        for _ in range(len(model.value_embeds) if draw_value_embeds else 0):
-            assert torch.nn.Embedding(256, 32).weight.any()
-        same = []
-        for block in model.blocks:
-            if block.attn is not None:
-                same.append(torch.equal(block.attn.qkvo_w[:3], torch.empty(96, 32).uniform_(-bound, bound).view(3, 32, 32)))
-            same.append(torch.equal(block.mlp.c_fc, torch.empty(128, 32).uniform_(-bound, bound)))
-        same.append(torch.equal(model.embed.weight, torch.nn.Embedding(256, 32).weight))
-        assert all(same) if draw_value_embeds else not any(same)
+    model = train_gpt.GPT(256, depth, 2, 16, 32, T, attn_gates=True, key_offset=True, windows=WINDOWS, attn_init_std=1.0)
+    assert all(not table.weight.any() for table in model.value_embeds) and not model.lm_head.weight.any()
+    attention = [block.attn.qkvo_w[:3] for block in model.blocks if block.attn is not None]
+    for tables, same in ((len(model.value_embeds), True), (0, False)):
+        drawn = replay_records_draws(32, depth, len(attention), 256, value_tables=tables)
+        found = [torch.equal(w, r) for w, r in zip(attention, drawn["qkv"])]
+        found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
+        assert found + [torch.equal(model.embed.weight, drawn["embed"])] == [same] * (len(found) + 1), tables
 
 
 def test_the_bf16_softcap_rounds_after_each_operation():
@@ -1249,26 +1280,6 @@ def test_training_with_multi_token_weights_takes_the_records_loss():
     chunked = tiny_gpt(loss_chunk=128)
     with pytest.raises(ValueError, match="loss_chunk=0"):
         chunked(tokens, targets, 2, None, weights)
-
-
-def test_a_tied_embedding_is_the_lm_heads_weight_and_sums_both_gradients():
-    """Tied, the input embedding is F.embedding of the lm_head's weight: the model equals an untied one whose embedding
-    holds the same values, and the lm_head's gradient is the sum of that model's lm_head and embedding gradients (two
-    terms: the same sum either way); the embedding's own table gets none."""
-    tied = randomize_(records_structure_gpt())
-    untied = randomize_(records_structure_gpt())
-    with torch.no_grad():
-        untied.embed.weight.copy_(untied.lm_head.weight)
-    tied.embed_tied = True
-    tokens, targets = documents()
-    losses = []
-    for model in (tied, untied):
-        loss = model(tokens, targets, 2, None, torch.tensor([1.0, 0.5]))
-        loss.backward()
-        losses.append(loss.detach())
-    assert torch.equal(*losses)
-    assert torch.equal(tied.lm_head.weight.grad, untied.lm_head.weight.grad + untied.embed.weight.grad)
-    assert tied.embed.weight.grad is None and untied.embed.weight.grad.abs().sum() > 0
 
 
 def test_the_skip_input_gate_by_hand():

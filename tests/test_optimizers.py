@@ -249,11 +249,12 @@ def test_muon_matches_the_documented_update(nesterov):
             assert_stepped(params[i].detach(), starts[i], train_gpt.orthogonalize(u), torch.tensor(2**0.5) * lr)
 
 
-@pytest.mark.parametrize("shape, scale", [((64, 16), 2.0), ((16, 64), 1.0), ((3, 64, 16), 12**0.5), ((3, 16, 64), 1.0),
-                                          ((4, 32, 32), 2.0)])
+@pytest.mark.parametrize("shape, scale", [((64, 16), 2.0), ((16, 64), 1.0), ((3, 64, 16), 2.0), ((3, 16, 64), 1.0),
+                                          ((4, 32, 32), 1.0)])
 def test_muon_update_scale(shape, scale):
-    """Without momentum the update is orth(g) * (sqrt(max(1, rows/cols)) lr), with rows = numel / cols: the records lay a
-    stack out as one (numel / cols, cols) matrix, so the attention's (4, d, d) takes 2, as 4d x d would."""
+    """Without momentum the update is orth(g) * (sqrt(max(1, rows/cols)) lr), rows and cols those of each matrix of a
+    stack: the attention's (4, d, d) takes 1 (the records from 2026-01-18, which lay out q, k, v and o apart; 2 before,
+    from one (4d, d) matrix)."""
     torch.manual_seed(2)
     lr = 0.01
     p = torch.nn.Parameter(torch.zeros(shape))
@@ -322,7 +323,7 @@ def test_muon_on_one_rank_equals_orthogonalizing_each_matrix_alone():
         p.grad = torch.randn_like(p)
     lr = 0.1
     train_gpt.Muon(params, lr=lr, momentum=0.0, nesterov=False, dtype=torch.float32).step()
-    for p, p0, scale in zip(params, before, (2**0.5, 1.0, 2**0.5, 3**0.5)):  # (numel / cols) / cols: 2, 1/3, 2, 3
+    for p, p0, scale in zip(params, before, (2**0.5, 1.0, 2**0.5, 1.0)):  # each matrix's rows / cols: 2, 1/3, 2, 1
         expected = p0 - train_gpt.orthogonalize(p.grad, "newton_schulz", torch.float32) * (torch.tensor(scale) * lr)
         assert torch.equal(p.detach(), expected)
 
@@ -353,18 +354,18 @@ def test_lr_multiplier(args):
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (1735 scheduled steps of 1775, cooldown 0.5, peaks 1, 1.52, 1.73): 1.0 through step
-    578 (578 / 1735 is under 1/3), 1.52 from 579 until the cooldown starts at 868 (past 0.5 x 1735 = 867.5), then
-    1.52 w + 0.1 (1 - w); 1.73 w + 0.1 (1 - w) from 1157; 0.1 at 1735 and through the 40 extension steps."""
-    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1775, 40, 0.5)
+    """Spot values for the record (1560 scheduled steps of 1600, cooldown 0.55, peaks 1, 1.52, 1.73): 1.0 through step
+    520 (520 / 1560 is 1/3, not past it), 1.52 from 521 until the cooldown starts at 702 (702 / 1560 = 0.45), then
+    1.52 w + 0.1 (1 - w); 1.73 w + 0.1 (1 - w) from 1041; 0.1 at 1560 and through the 40 extension steps."""
+    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1600, 40, 0.55)
     assert RECORD.lr_stage_peaks == (1.0, 1.52, 1.73)
-    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 578, 579, 867)} == {0: 1.0, 578: 1.0, 579: 1.52,
-                                                                                            867: 1.52}
-    for step, peak in ((868, 1.52), (1156, 1.52), (1157, 1.73), (1734, 1.73)):
-        w = (1 - step / 1735) / 0.5
+    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 520, 521, 701)} == {0: 1.0, 520: 1.0, 521: 1.52,
+                                                                                            701: 1.52}
+    for step, peak in ((702, 1.52), (1040, 1.52), (1041, 1.73), (1559, 1.73)):
+        w = (1 - step / 1560) / 0.55
         assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(peak * w + 0.1 * (1 - w), abs=lr_rounding(RECORD))
-    assert train_gpt.lr_multiplier(1157, RECORD) > train_gpt.lr_multiplier(1156, RECORD)  # the stage's jump
-    for step in (1735, 1736, 1775):
+    assert train_gpt.lr_multiplier(1041, RECORD) > train_gpt.lr_multiplier(1040, RECORD)  # the stage's jump
+    for step in (1560, 1561, 1600):
         assert train_gpt.lr_multiplier(step, RECORD) == 0.1
 
 
@@ -393,10 +394,10 @@ def test_window_at(args):
 
 
 def test_window_at_record_boundaries():
-    """3, 7, 11 over steps 0-578, 579-1156 and 1157-1734 (int(3 step / 1735)); 13 for the 40 extension steps and the
-    final validation at 1775."""
-    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1775)
-    values = {0: 3, 578: 3, 579: 7, 1156: 7, 1157: 11, 1734: 11, 1735: 13, 1774: 13, 1775: 13}
+    """3, 7, 11 over steps 0-519, 520-1039 and 1040-1559 (int(3 step / 1560)); 13 for the 40 extension steps and the
+    final validation at 1600."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1600)
+    values = {0: 3, 519: 3, 520: 7, 1039: 7, 1040: 11, 1559: 11, 1560: 13, 1599: 13, 1600: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
     cpu_steps = (0, 51, 52, 103, 104, 155, 156, 207, 208, 259, 260)  # 5 stages of 52 steps over 260
     assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32]
@@ -405,13 +406,14 @@ def test_window_at_record_boundaries():
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
 
 
-def test_the_2026_01_07_schedules_at_every_step():
-    """1735 scheduled steps and 40 more (1775), at every step against the record's functions written out: get_lr (the
-    stage peaks 1.52 and 1.73 past 1/3 and 2/3, the cooldown from 0.5, 0.1 after), get_ws and get_bs (int(3 x step /
-    1735)), the multi-token weights of _build_mtp_schedule ([1, 0.5, 0.25 (1 - 3x)], then [1, 0.5 (1 - (3x - 1))],
-    then [1]), and the untie after step ceil(2/3 x 1735) | 1 = 1157 (the same float operations: equal)."""
+def test_the_2026_01_19_schedules_at_every_step():
+    """1560 scheduled steps and 40 more (1600), at every step against the record's functions written out: get_lr (the
+    stage peaks 1.52 and 1.73 past 1/3 and 2/3, the cooldown from 0.55, 0.1 after), get_ws and get_bs (int(3 x step /
+    1560)), the multi-token weights of _build_mtp_schedule ([1, 0.5, 0.25 (1 - 3x)], then [1, 0.5 (1 - (3x - 1))],
+    then [1]), Muon's momentum (down over the last 50 steps), and the untie after step ceil(2/3 x 1560) | 1 = 1041 (the
+    same float operations: equal)."""
     args = RECORD
-    N = 1735
+    N = 1560
 
     def record_lr(step):
         if step > N:
@@ -422,8 +424,8 @@ def test_the_2026_01_07_schedules_at_every_step():
             lr_max = 1.52
         if x > 2 / 3:
             lr_max = 1.73
-        if x >= 1 - 0.5:
-            w = (1 - x) / 0.5
+        if x >= 1 - 0.55:
+            w = (1 - x) / 0.55
             return lr_max * w + (1 - w) * 0.1
         return lr_max
 
@@ -435,7 +437,7 @@ def test_the_2026_01_07_schedules_at_every_step():
             return (1.0, 0.5 * (1 - (3 * x - 1)))
         return (1.0,)
 
-    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1775, 40, 8)
+    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1600, 40, 8)
     for step in range(args.num_iterations + 1):
         assert train_gpt.lr_multiplier(step, args) == record_lr(step), step
         assert train_gpt.mtp_weights_at(step, args) == record_mtp(step), step
@@ -447,19 +449,19 @@ def test_the_2026_01_07_schedules_at_every_step():
         if step < 300:
             expected = 0.85 + (step / 300) * (0.95 - 0.85)
         else:
-            expected = 0.95 - ((step - 1725) / 50) * (0.95 - 0.85) if step > 1725 else 0.95
+            expected = 0.95 - ((step - 1550) / 50) * (0.95 - 0.85) if step > 1550 else 0.95
         assert train_gpt.muon_momentum(step, args) == expected, step
-    assert train_gpt.untie_step(args) == math.ceil(2 / 3 * N) | 1 == 1157
-    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1156, 1157, 1158, 1775)] == [True] * 3 + [False] * 2
+    assert train_gpt.untie_step(args) == math.ceil(2 / 3 * N) | 1 == 1041
+    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1040, 1041, 1042, 1600)] == [True] * 3 + [False] * 2
     for scheduled in (30, 99, 1880):  # other lengths: the record's expression, and Adam's (odd) steps
         other = dataclasses.replace(args, num_iterations=scheduled + 40)
         assert train_gpt.untie_step(other) == math.ceil(2 / 3 * scheduled) | 1
     every = dataclasses.replace(args, adam_every=1)
-    assert train_gpt.untie_step(every) == 1157 and train_gpt.untie_step(dataclasses.replace(args, untie_embed_frac=0)) is None
-    # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, the untie after the third's first
-    assert train_gpt.training_shapes(args) == {(16384, 3, 3, True): 0, (32768, 7, 2, True): 579,
-                                               (49152, 11, 1, True): 1157, (49152, 11, 1, False): 1158,
-                                               (49152, 13, 1, False): 1735}
+    assert train_gpt.untie_step(every) == 1040 and train_gpt.untie_step(dataclasses.replace(args, untie_embed_frac=0)) is None
+    # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, and the extension (the tie
+    # changes no graph: the embedding is a copy, from 2026-01-18)
+    assert train_gpt.training_shapes(args) == {(16384, 3, 3): 0, (32768, 7, 2): 520, (49152, 11, 1): 1040,
+                                               (49152, 13, 1): 1560}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -512,7 +514,7 @@ class RescaleSpy:
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
     cpu_changes = [(52, (2, 4)), (104, (4, 8)), (156, (8, 16)), (208, (16, 32))]
-    for args, expected in ((RECORD, [(579, (3, 7)), (1157, (7, 11)), (1735, (11, 13))]),
+    for args, expected in ((RECORD, [(520, (3, 7)), (1040, (7, 11)), (1560, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):
@@ -679,8 +681,8 @@ def test_muon_lr_mul_scales_one_matrix_s_step():
 def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_and_the_weight_decay():
     """build_optimizers hands Muon mlp_down_lr_mul for every c_proj (nothing else), adding apart for every MLP matrix
     (nothing else), and muon_cautious_wd, which the training step leaves alone (the decay follows the lr through the
-    lr alone). The lr factors, float32 CPU scalars, are the records' (2025-12-11): 2 for the (4, d, d) attention and
-    the (4d, d) up-projection, 2 x 2 for the down-projection; no gates (Adam's from 2025-12-31)."""
+    lr alone). The lr factors are the records' (2026-01-18): 1 for each matrix of the (4, d, d) attention, 2 for the
+    (4d, d) up-projection, 2 x 2 for the down-projection; no gates (Adam's from 2025-12-31)."""
     args = dataclasses.replace(RECORD, model_dim=64, num_heads=2, head_dim=32, seq_len=(128,), val_seq_len=128,
                                batch_slots=1, dtype="float32", num_iterations=4, extension_steps=1, compile=False,
                                vocab_size=1024)
@@ -689,12 +691,10 @@ def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_a
     down = {block.mlp.c_proj for block in blocks}
     assert len(down) == args.num_layers and muon.lr_mul == dict.fromkeys(down, 2.0)
     assert muon.add_apart == {p for block in blocks for p in (block.mlp.c_fc, block.mlp.c_proj)}
-    expected = {**{block.attn.qkvo_w: 2.0 for block in blocks if block.attn is not None},
+    expected = {**{block.attn.qkvo_w: 1.0 for block in blocks if block.attn is not None},
                 **{block.mlp.c_fc: 2.0 for block in blocks}, **dict.fromkeys(down, 4.0)}
     assert set(muon.lr_factor) == set(expected)
-    for p, factor in muon.lr_factor.items():
-        assert factor.dtype == torch.float32 and factor.device.type == "cpu" and factor.dim() == 0
-        assert factor.item() == expected[p]
+    assert muon.lr_factor == expected
     tokens = torch.randint(0, 1024, (129,))
     for step in range(2):
         trainer.train_step(step, [(tokens[:-1].int(), tokens[1:])])
@@ -740,9 +740,10 @@ def records_mantissa_update(p, mantissa, grad, wd_tensor, lr_tensor):
 def test_muon_steps_replay_the_records_expressions(dtype):
     """Three steps of Muon as the record configures it (Polar Express in bf16, NorMuon 0.95, cautious wd 1.2, lr 0.023,
     momentum 0.95) on an attention stack (4, 16, 16) and an MLP's c_fc and c_proj (64, 16) (lr_mul 2, adding apart),
-    against the 2026-01-04 record's step written out: the gradient in float32, momentum lerps in float32, its NorMuon
-    (per row, statistics in float32), its cautious update with its lr factors 2, 2 and 4 (max(1, rows / cols)^0.5 of its
-    2-D layouts, times lr_mul) times lr in float32 and wd lr alike; bf16 matrices updated on their float32 values
+    against the 2026-01-19 record's step written out: the gradient in float32, momentum lerps in float32, its NorMuon
+    (per row, statistics in float32), its cautious update with its lr factors 1, 2 and 4 (max(1, rows / cols)^0.5 of each
+    matrix, times lr_mul), each factor times lr and wd lr made in double and rounded once to float32 (fill_); bf16
+    matrices updated on their float32 values
     (mantissa), float32 ones in the 2025-12-31 form (the record's in float32). The same operations: equal to the bit.
     Orthogonalization is train_gpt's (tested above); a c_proj factor of 2 would differ, and so would bf16 matrices
     updated in bf16."""
@@ -761,36 +762,38 @@ def test_muon_steps_replay_the_records_expressions(dtype):
         muon.step()
 
     def replay(lr_mults, mantissa=True):
-        param_lr_cpu, param_wd_cpu = torch.tensor(lr_mults, dtype=torch.float32), torch.ones(3, dtype=torch.float32)
+        eff_lr, eff_wd = torch.tensor(0.0), torch.tensor(0.0)
         by_hand = [t.clone() for t in starts]
         buffers = [torch.zeros_like(t, dtype=torch.float32) for t in starts]
         moments = [torch.zeros(*t.shape[:-1], 1, dtype=torch.float32) for t in starts]
         mantissas = [torch.zeros_like(t, dtype=torch.uint16) for t in starts]
         for step_grads in grads:
-            eff_lr_all, eff_wd_all = param_lr_cpu * lr, param_wd_cpu * wd * lr
             for k, grad in enumerate(step_grads):
+                eff_lr.fill_(lr_mults[k] * lr)
+                eff_wd.fill_(1.0 * wd * lr)
                 grad = grad.float()
                 buffers[k].lerp_(grad, 1 - momentum)
                 updated = grad.lerp_(buffers[k], momentum)
                 v = train_gpt.orthogonalize(updated, "polar_express", torch.bfloat16, add_apart=k in (1, 2))
                 v = records_normuon(v, moments[k], beta2)
                 if dtype == torch.bfloat16 and mantissa:
-                    records_mantissa_update(by_hand[k], mantissas[k], v, eff_wd_all[k], eff_lr_all[k])
+                    records_mantissa_update(by_hand[k], mantissas[k], v, eff_wd, eff_lr)
                 else:
-                    records_cautious_update(by_hand[k], v, eff_wd_all[k], eff_lr_all[k])
+                    records_cautious_update(by_hand[k], v, eff_wd, eff_lr)
         return by_hand, moments, mantissas
 
-    # the record's shape_mult from its layouts (4 * 16, 16), (64, 16), (64, 16), times lr_mul
-    by_hand, moments, mantissas = replay([2.0, 2.0, 2.0 * 2.0])
+    # the record's shape_mult of each matrix, (16, 16), (64, 16), (64, 16), times lr_mul
+    by_hand, moments, mantissas = replay([1.0, 2.0, 2.0 * 2.0])
     for k, (p, expected, start) in enumerate(zip(params, by_hand, starts)):
         assert not torch.equal(p.detach(), start)
         assert torch.equal(p.detach(), expected), k
         assert torch.equal(muon.state[p]["neuron_second_moment"], moments[k]), k
         if dtype == torch.bfloat16:
             assert torch.equal(muon.state[p]["low_half"], mantissas[k]) and mantissas[k].any(), k
-    assert not torch.equal(c_proj.detach(), replay([2.0, 2.0, 2.0])[0][2])
+    assert not torch.equal(c_proj.detach(), replay([1.0, 2.0, 2.0])[0][2])
+    assert not torch.equal(attn.detach(), replay([2.0, 2.0, 4.0])[0][0])  # the attention's factor before 2026-01-18
     if dtype == torch.bfloat16:
-        assert not torch.equal(c_fc.detach(), replay([2.0, 2.0, 4.0], mantissa=False)[0][1])
+        assert not torch.equal(c_fc.detach(), replay([1.0, 2.0, 4.0], mantissa=False)[0][1])
 
 
 def test_a_bf16_matrix_and_its_low_half_hold_its_float32_value_through_updates():

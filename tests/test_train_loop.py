@@ -72,6 +72,17 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     assert model.smear_gate.weight.any()  # moved from its zero init
     trained = model.scalars[[model.smear_index, model.backout_index]].detach()
     assert (trained != torch.tensor([0.0, 0.5])).all()  # the smear's and the backout's lambdas from their inits
+    assert model.bigram_embed.weight.any() and (model.scalars[15:20] != 0.1).all()  # the bigram table and lambdas
+
+
+def muon_step_by_hand(adam, muon, step, args):
+    """Step's lr on both optimizers and momentum on Muon, as train_step sets them; then Muon's step."""
+    for optimizer in (adam, muon):
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * train_gpt.lr_multiplier(step, args)
+    muon.param_groups[0]["momentum"] = train_gpt.muon_momentum(step, args)
+    muon.step()
+    muon.zero_grad(set_to_none=True)
 
 
 def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
@@ -97,12 +108,7 @@ def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
         for p in adam_params:
             summed[p] = p.grad.clone() if step == 0 else summed[p] + p.grad
             p.grad = None
-        for optimizer in (adam, muon):
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * train_gpt.lr_multiplier(step, args)
-        muon.param_groups[0]["momentum"] = train_gpt.muon_momentum(step, args)
-        muon.step()
-        muon.zero_grad(set_to_none=True)
+        muon_step_by_hand(adam, muon, step, args)
         if step == 1:
             for p in adam_params:
                 p.grad = summed[p]
@@ -114,6 +120,36 @@ def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
     differ = [name for (name, p), twin in zip(trainer.model.named_parameters(), model.parameters()) if not torch.equal(p, twin)]
     assert not differ
     assert int(trainer.adam.state[trainer.model.lm_head.weight]["step"]) == 1
+
+
+def test_a_tied_embedding_joins_the_lm_heads_gradient_on_adams_step_by_hand():
+    """The tie of the records from 2026-01-18, in bf16, one process without buckets, two micro-steps a step: by hand,
+    the embedding starts as the lm_head's copy; the lm_head's and the embedding's gradients each add up over steps 0
+    and 1 (Muon stepping each step); on step 1 the embedding's joins the lm_head's, Adam steps without the embedding,
+    which takes the lm_head's new values. Every parameter equals the trainer's; the lm_head moved."""
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--adam_every=2", "--num_iterations=100", "--untie_embed_frac=0.5",
+                                    "--head_init_std=0.05", "--dtype=bfloat16", "--matrices_in_run_dtype=true",
+                                    "--head_and_gates_in_run_dtype=true", "--loss_chunk=0"], "cpu")
+    plan = train_gpt.plan_device(args, torch.device("cpu"))
+    trainer = train_gpt.Trainer(args, 0, 1, plan)
+    model = copy.deepcopy(trainer.model)
+    assert torch.equal(model.embed.weight, model.lm_head.weight) and model.lm_head.weight.dtype == torch.bfloat16
+    adam, muon = train_gpt.build_optimizers(model, args, plan=plan)
+    adam.idle = {model.embed.weight}
+    g = torch.Generator().manual_seed(0)
+    batches = [[(t[:-1].int(), t[1:]) for t in torch.randint(0, TINY_VOCAB, (2, 129), generator=g)] for _ in range(2)]
+    start = model.lm_head.weight.detach().clone()
+    for step, batch in enumerate(batches):
+        trainer.train_step(step, batch)
+        for inputs, targets in batch:
+            (model(inputs, targets, trainer.window, None, trainer.mtp_weights[step]) / 2).backward()
+        muon_step_by_hand(adam, muon, step, args)
+    model.lm_head.weight.grad.add_(model.embed.weight.grad)
+    adam.step()
+    model.embed.weight.data.copy_(model.lm_head.weight.data)
+    differ = [name for (name, p), twin in zip(trainer.model.named_parameters(), model.parameters()) if not torch.equal(p, twin)]
+    assert not differ
+    assert not torch.equal(model.lm_head.weight, start) and trainer.model.embed.weight not in trainer.adam.state
 
 
 def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, monkeypatch):
@@ -622,7 +658,7 @@ def test_overrides_and_flags_parse():
 RECORDS_STRUCTURE = ["--num_layers=5", "--key_offset=true", "--smear=true", "--skip_gates=true", "--backout_layer=2",
                      "--value_embed_gates=true", "--skip_input_gate=true", "--attn_init_std=1.0", "--head_init_std=0.005",
                      "--logit_cap=23", "--logit_offset=5", "--adam_cautious_wd=0.005", "--num_heads=2", "--head_dim=32",
-                     "--paired_head_layers=0,3", "--head_betas=0.5,0.95", "--value_embed_betas=0.75,0.95",
+                     "--paired_head_layers=0,3", "--bigram_rows=5003", "--head_betas=0.5,0.95", "--value_embed_betas=0.75,0.95",
                      "--gate_betas=0.9,0.99", "--x0_betas=0.65,0.95"]
 RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_gates_in_run_dtype=true",
                   "--val_softcap_in_run_dtype=true", "--loss_chunk=0", "--matrices_in_run_dtype=true"]
@@ -661,6 +697,8 @@ RECORDS_DTYPES = ["--dtype=bfloat16", "--rotary_in_run_dtype=true", "--head_and_
     (["--mtp_weights=1,0.5", "--loss_chunk=0", "--fp8_grad_scale=e5m2_bound"],
      "fp8_grad_scale=e5m2_bound bounds one prediction's gradient: not with mtp_weights"),
     (["--untie_embed_frac=1"], "untie_embed_frac=1.0 must be within [0, 1)"),
+    (["--bigram_rows=1"], "bigram_rows=1 must be 0 (none) or at least 2 (the hash takes rows - 1)"),
+    (["--bigram_rows=-5"], "bigram_rows=-5 must be 0 (none) or at least 2 (the hash takes rows - 1)"),
     (["--untie_embed_frac=0.5"], "untie_embed_frac=0.5 ties the embedding to the lm_head: it needs head_init_std > 0"),
     (["--untie_embed_frac=0.95", "--head_init_std=0.005"], "untie_embed_frac=0.95 unties after step 10, past the last "
                                                             "of num_iterations=10"),
@@ -695,13 +733,14 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2026-01-07 PairedHeadAttention) choices; the project's own are
+    """The record preset keeps the published record's (2026-01-19 BigramHashEmbedding) choices; the project's own are
     settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.orthogonalizer, args.fp8_grad_scale, args.muon_lr, args.muon_neuron_beta2) == (
         "polar_express", "record", 0.023, 0.95)
     assert (args.mlp_down_lr_mul, args.muon_cautious_wd, args.skip_layers, args.residual_lambda_init) == (2.0, 1.2, "6", 1.1)
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1775, 40, 0.5)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1600, 40, 0.55)
+    assert args.bigram_rows == 5 * 50304 and args.untie_embed_frac == 2 / 3
     assert args.lr_stage_peaks == (1.0, 1.52, 1.73) and args.num_layers == 11 and args.key_offset
     assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
     assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr, args.adam_cautious_wd) == (0.008, 8e-5, 4e-4, 0.005)
@@ -728,7 +767,8 @@ def test_record_preset_is_the_published_record():
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "--orthogonalizer='polar_express'" in help_text and "--fp8_grad_scale='record'" in help_text
-    for shown in ("--num_iterations=1775", "--extension_steps=40", "--cooldown_frac=0.5", "--window_stages=3,7,11",
+    for shown in ("--num_iterations=1600", "--extension_steps=40", "--cooldown_frac=0.55", "--bigram_rows=251520",
+                  "--window_stages=3,7,11",
                   "--seq_len=16384,32768,49152", "--lr_stage_peaks=1.0,1.52,1.73", "--num_layers=11",
                   "--mtp_weights=1.0,0.5,0.25", "--logit_cap=23.0", "--adam_cautious_wd=0.005",
                   "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",

@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
           f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "
           f"optimizer states and bf16 weight copies")
+    if model.bigram_embed is not None:  # the largest parameter: its bf16 weight and gradient, Adam's float32 moments
+        table = model.bigram_embed.weight
+        print(f"  of which the bigram table ({table.size(0)} x {table.size(1)}, {table.numel() / 1e6:.0f}M parameters): "
+              f"{(2 * table.numel() * table.element_size() + 8 * table.numel()) / GIB:.2f} GiB")
     for seq_len in args.seq_lens or sorted(hp.seq_len, reverse=True):
         total = fixed + seq_len * (sum(per_token) + logit_grad)
         print(f"  seq_len {seq_len:6d}: about {total / GIB:5.1f} GiB per GPU in eager mode")

@@ -135,7 +135,6 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     if args.rotary_in_run_dtype:  # the tables in the dtype the model runs in, as training held them
         model.rotary.to(run_dtype)
     window = train_gpt.replay_windows(model, state["step"], args)
-    model.embed_tied = train_gpt.embed_tied_at(state["step"], args)  # as the checkpoint's next step would take it
     long_window = train_gpt.long_window_at(state["step"], args)
     model = in_dtype(model, run_dtype)
     return generation_layout(model.to(device).eval()), window, long_window
