@@ -1092,9 +1092,6 @@ class GPT(nn.Module):
                                        self.val_softcap_in_run_dtype and not self.training, self.logit_cap, self.logit_offset)
         return loss if self.training else loss / target_seq.numel()
 
-    def embedding(self, tokens: Tensor) -> Tensor:
-        return self.embed(tokens)
-
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
         """The final residual stream (1, T, D) of tokens (T,) at a long window of window units. Generation's hooks
@@ -1120,9 +1117,9 @@ class GPT(nn.Module):
             seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
             bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
             bigram_lambdas = self.scalars[3 * L:4 * L]
-        x = self.embedding(tokens)
+        x = self.embed(tokens)
         if self.smear_gate is not None:
-            x = self.smear(x, self.embedding(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
+            x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
         x = x0 = norm(x[None])
         skips, backout = {}, None
         partners = {skip_partner(L, i): i for i in self.skip_layers}
