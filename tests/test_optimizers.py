@@ -399,8 +399,9 @@ def test_window_at_record_boundaries():
     assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1600)
     values = {0: 3, 519: 3, 520: 7, 1039: 7, 1040: 11, 1559: 11, 1560: 13, 1599: 13, 1600: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
-    cpu_steps = (0, 51, 52, 103, 104, 155, 156, 207, 208, 259, 260)  # 5 stages of 52 steps over 260
-    assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32]
+    # 5 stages over 254 scheduled steps (int(5 step / 254)), then 6 extension steps and the validation at the final window
+    cpu_steps = (0, 50, 51, 101, 102, 152, 153, 203, 204, 253, 254, 259, 260)
+    assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32, 32, 32]
     # 5 stages over 10 steps, no extension: two steps each, then final_window for the validation
     short = dataclasses.replace(RECORD, num_iterations=10, extension_steps=0, window_stages=(1, 2, 3, 4, 5), final_window=6)
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
@@ -513,7 +514,7 @@ class RescaleSpy:
 
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
-    cpu_changes = [(52, (2, 4)), (104, (4, 8)), (156, (8, 16)), (208, (16, 32))]
+    cpu_changes = [(51, (2, 4)), (102, (4, 8)), (153, (8, 16)), (204, (16, 32))]  # ceil(254 k / 5)
     for args, expected in ((RECORD, [(520, (3, 7)), (1040, (7, 11)), (1560, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import shards  # data/shards.py, on sys.path through conftest
-from conftest import TINY_VOCAB
+from conftest import EARLIER_CPU_FORMS, TINY_VOCAB
 
 import train_gpt
 
@@ -34,9 +34,10 @@ def _load_tool():
 records = _load_tool()
 
 # A model small enough that a run is mostly interpreter start-up; val_loss_every=1 gives a curve.
-TINY = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
-        "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--val_loss_every=1",
-        f"--vocab_size={TINY_VOCAB}", "--compile=false"]  # compiling would cost most of each tiny run
+TINY_ANY_SOURCE = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
+                   "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--val_loss_every=1",
+                   f"--vocab_size={TINY_VOCAB}", "--compile=false"]  # compiling would cost most of each tiny run
+TINY = [*TINY_ANY_SOURCE, *EARLIER_CPU_FORMS]  # the forms the tests were written against (conftest.py)
 EDIT_SUFFIX = "  (edited by tests/test_records.py)"
 
 
@@ -659,7 +660,7 @@ def test_an_older_record_log_writes_out_a_source_that_runs(runs, tmp_path):
     out = tmp_path / "record"
     assert records.main(["source", str(RECORD_LOG), str(out)]) == 0
     assert [p.name for p in out.iterdir()] == ["train_gpt.py"]
-    proc = subprocess.run([sys.executable, str(out / "train_gpt.py"), *TINY, "--num_iterations=2", "--compile=false",
+    proc = subprocess.run([sys.executable, str(out / "train_gpt.py"), *TINY_ANY_SOURCE, "--num_iterations=2", "--compile=false",
                            *runs["data"], f"--log_dir={tmp_path / 'logs'}", "--run_id=record"], cwd=runs["tmp"],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]

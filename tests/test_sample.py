@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import EARLIER_CPU_FORMS, ROOT
 from test_model import randomize_, records_structure_gpt, summed_loss
 
 import run_support
@@ -74,7 +74,7 @@ def trained(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     result = train_gpt.main([
-        "--preset=cpu", "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+        "--preset=cpu", *EARLIER_CPU_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--num_iterations=6",
         "--window_stages=2", "--final_window=3", "--window_unit=128", "--yarn=true", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
         f"--train_files={folder}/cycle_train_*.bin",
