@@ -631,11 +631,13 @@ class CheckpointFolder:
 
 
 def check_resumable(state: dict, path: Path, args, resumable: set[str]):
-    """Refuses a checkpoint whose hyperparameters differ from args in any setting outside resumable."""
+    """Refuses a checkpoint whose hyperparameters differ from args in any setting outside resumable, or hold one that
+    is no longer a setting (what it chose is now fixed, perhaps otherwise)."""
     saved, now = state["hyperparameters"], dataclasses.asdict(args)
     mismatched = [f"{k} (checkpoint {saved[k]!r}, now {now[k]!r})" if k in saved else
                   f"{k} (now {now[k]!r}; the checkpoint predates this setting)"
                   for k in now if k not in resumable and (k not in saved or saved[k] != now[k])]
+    mismatched += [f"{k} (checkpoint {saved[k]!r}; no longer a setting)" for k in saved if k not in now]
     if mismatched:
         raise ConfigError(f"--resume={path}: the checkpoint was made with a different configuration: " + "; ".join(mismatched))
 

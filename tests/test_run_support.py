@@ -126,6 +126,9 @@ def test_resumable_changes_name_hyperparameters_and_only_they_may_differ(tmp_pat
     del saved["yarn"]  # a checkpoint made before the setting existed
     with pytest.raises(support.ConfigError, match=r"yarn \(now True; the checkpoint predates this setting\)"):
         support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(), train_gpt.RESUMABLE_CHANGES)
+    saved = dict(dataclasses.asdict(train_gpt.Hyperparameters()), bigram_rows=0)  # made while the table was a setting
+    with pytest.raises(support.ConfigError, match=r": bigram_rows \(checkpoint 0; no longer a setting\)$"):
+        support.check_resumable({"hyperparameters": saved}, tmp_path, train_gpt.Hyperparameters(), train_gpt.RESUMABLE_CHANGES)
 
 
 @pytest.mark.parametrize("platform, max_rss", [("linux", 3 * 2**10), ("darwin", 3 * 2**20)])
