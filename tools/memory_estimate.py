@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token = [(b - a) / (384 - 128) for a, b in zip(short, long)]
     casts = sum(short) - 128 * sum(per_token)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    adam, muon = train_gpt.build_optimizers(model, hp)
+    adam, muon = train_gpt.build_optimizers(model, hp, plan=plan)
     # float32 momentum; a bf16 matrix's low half (uint16)
     muon_bytes = sum((4 + 2 * (p.dtype == torch.bfloat16)) * p.numel() for group in muon.param_groups for p in group["params"])
     adam_state_bytes = sum(8 * p.numel() for group in adam.param_groups for p in group["params"])  # 2 float32 moments
@@ -68,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
           f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "
           f"optimizer states and bf16 weight copies")
-    if model.bigram_embed is not None:  # the largest parameter: its bf16 weight and gradient, Adam's float32 moments
-        table = model.bigram_embed.weight
-        print(f"  of which the bigram table ({table.size(0)} x {table.size(1)}, {table.numel() / 1e6:.0f}M parameters): "
-              f"{(2 * table.numel() * table.element_size() + 8 * table.numel()) / GIB:.2f} GiB")
+    table = model.bigram_embed.weight  # the largest parameter: its bf16 weight and gradient, Adam's float32 moments
+    print(f"  of which the bigram table ({table.size(0)} x {table.size(1)}, {table.numel() / 1e6:.0f}M parameters): "
+          f"{(2 * table.numel() * table.element_size() + 8 * table.numel()) / GIB:.2f} GiB")
     for seq_len in args.seq_lens or sorted(hp.seq_len, reverse=True):
         total = fixed + seq_len * (sum(per_token) + logit_grad)
         print(f"  seq_len {seq_len:6d}: about {total / GIB:5.1f} GiB per GPU in eager mode")
