@@ -376,8 +376,7 @@ def describe_run(trainer) -> list[str]:
     lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
              f"attention-free layer {next((i for i, block in enumerate(model.blocks) if block.attn is None), None)}; key offset "
              f"on layers {[i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset]}; "
-             f"value-embedding gates {'on' if args.value_embed_gates else 'off'}; attention gates "
-             f"{'on' if args.attn_gates else 'off'}; long-window layers "
+             f"long-window layers "
              f"{[i for i, long in enumerate(model.long_window) if long]}; heads paired on layers "
              f"{[i for i, paired in enumerate(model.paired) if paired]}; matrices "
              f"{str(model.blocks[0].mlp.c_fc.dtype).removeprefix('torch.')}"]
@@ -418,13 +417,13 @@ class Diverged(Exception):
 
 def divergence(val_losses: dict, output_width: int) -> Diverged | None:
     """Diverged when the last validation loss is above the step-0 one or, without a step-0 validation (val_loss_every=0,
-    a resumed run), above ln(output_width): the zero-initialized lm_head's loss, where every run starts. Else None.
+    a resumed run), above ln(output_width): the loss of uniform predictions, near which every run starts. Else None.
     Compared as the log prints them (4 decimals), so that tools/records.py, reading the log, judges alike."""
     final = val_losses[max(val_losses)]
     start = val_losses[0] if 0 in val_losses else math.log(output_width)
     if round(final, 4) <= round(start, 4):
         return None
-    named = f"step 0's {start:.4f}" if 0 in val_losses else f"ln({output_width}) = {start:.4f}, where every run starts"
+    named = f"step 0's {start:.4f}" if 0 in val_losses else f"ln({output_width}) = {start:.4f}, the loss of uniform predictions"
     return Diverged(f"the run diverged: final val loss {final:.4f} is above {named}; "
                     f"lower the learning rates or check the data")
 

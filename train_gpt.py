@@ -91,27 +91,12 @@ def settle_vector_math():
 
 # ------------------------------------------------------------------------------------------------
 # FP8 matmul as custom ops (the lm_head): x, w in e4m3 forward, the gradient in e5m2 backward, each
-# divided by its scale: the record's fixed scales, or a bound's (fp8_grad_scale=e5m2_bound).
+# divided by the record's fixed scale.
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344
 LOGIT_SOFTCAP = 23.0  # logits = LOGIT_SOFTCAP * sigmoid((z + LOGIT_OFFSET) / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
 LOGIT_OFFSET = 5.0  # (records from 2025-12-26; 30 and 0 before)
 LOGIT_SOFTCAP_SPREAD = 7.5
 LM_HEAD_FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)  # the record's (x, w, grad) scales (records from 2025-12-29)
-
-
-FP8_GRAD_SCALES = ("record", "e5m2_bound")  # the values of Hyperparameters.fp8_grad_scale
-
-
-def lm_head_fp8_scales(grad_scale: str = "record", logit_cap: float = LOGIT_SOFTCAP) -> tuple[float, float, float]:
-    """(x, w, grad) scales of the lm_head's FP8 matmul: the record's, or with the gradient's from its bound."""
-    if grad_scale == "record":
-        return LM_HEAD_FP8_SCALES
-    # One prediction a position: |dCE/dlogit| <= 1 and the softcap's slope <= cap / (4 spread); that bound at e5m2's max
-    # uses the binades the record's scale leaves free at the top, keeping small gradients that it flushes to zero.
-    grad_bound = logit_cap / (4 * LOGIT_SOFTCAP_SPREAD)
-    return *LM_HEAD_FP8_SCALES[:2], grad_bound / E5M2_MAX
 
 
 def softcap(z: Tensor, in_z_dtype: bool = False, cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
@@ -203,32 +188,24 @@ POLAR_EXPRESS_COEFFS = [
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
 POLAR_EXPRESS_SAFETY = 2e-2
-NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic; the same for every iteration
-ORTHOGONALIZATION_STEPS = 5
-ORTHOGONALIZERS = {"newton_schulz": [NEWTON_SCHULZ_COEFFS] * ORTHOGONALIZATION_STEPS,
-                   "polar_express": POLAR_EXPRESS_COEFFS}  # Hyperparameters.orthogonalizer: its coefficients
+ORTHOGONALIZATION_STEPS = len(POLAR_EXPRESS_COEFFS)
 
 
-def orthogonalize(G: Tensor, method: str = "newton_schulz", dtype: torch.dtype = torch.bfloat16,
-                  add_apart: bool = False) -> Tensor:
-    """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor), computed
-    in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding amplifies tiny differences).
-    add_apart: a X + B X as B X, then a X added (two roundings), as the records from 2025-12-11 do for MLPs."""
+def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16, add_apart: bool = False) -> Tensor:
+    """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor) with Polar Express (the
+    records' from 2025-09-29), computed in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding
+    amplifies tiny differences). add_apart: a X + B X as B X, then a X added (two roundings), as the records from
+    2025-12-11 do for MLPs."""
     X = G.to(dtype)
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
-    norm = X.norm(dim=(-2, -1), keepdim=True)
-    coeffs = ORTHOGONALIZERS[method]
-    if method == "polar_express":
-        X = X / (norm * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
-    else:
-        X = X / (norm + 1e-7)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
     # Each line rounds once, as the record's kernels do: A = X X^T, B = b A + c A A^T, X = a X + B X, the last two as
     # one scaled product and sum each (add_apart: the last twice); a lone matrix as a stack of one, as the record's.
     shape = X.shape
     X = X.reshape(-1, *shape[-2:]).contiguous()
-    for a, b, c in coeffs:
+    for a, b, c in POLAR_EXPRESS_COEFFS:
         A = X @ X.mT
         B = torch.baddbmm(A, A, A.mT, beta=b, alpha=c)
         X = torch.bmm(B, X).add_(X, alpha=a) if add_apart else torch.baddbmm(X, B, X, beta=a)
@@ -306,14 +283,14 @@ class Muon(torch.optim.Optimizer):
     value, whose low half the owner keeps (cautious_update). lr_mul: {parameter: factor on its lr}, the others 1;
     add_apart: the parameters whose orthogonalization adds apart."""
 
-    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True, method: str = "newton_schulz",
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool = True,
                  dtype: torch.dtype = torch.bfloat16, rank: int = 0, world_size: int = 1, neuron_beta2: float = 0.0,
                  weight_decay: float = 0.0, lr_mul: dict | None = None, add_apart=(), compiled: bool = False):
         # Larger matrices first: rounds then pair matrices of similar size, wasting little padding.
         params = sorted(params, key=lambda p: -p.numel())
         super().__init__([dict(params=params)], dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                                      weight_decay=weight_decay))
-        self.method, self.dtype, self.rank, self.world_size = method, dtype, rank, world_size
+        self.dtype, self.rank, self.world_size = dtype, rank, world_size
         if len({p.dtype for p in params}) > 1:
             raise ValueError("Muon's matrices must share a dtype: the ranks gather them in one")
         self.neuron_beta2 = neuron_beta2
@@ -367,7 +344,7 @@ class Muon(torch.optim.Optimizer):
         state = self.state[p]
         momentum = state["momentum_buffer"]
         grad = p.grad.float().lerp(momentum, group["momentum"]) if group["nesterov"] else momentum
-        update = self.orthogonalize(grad, self.method, self.dtype, p in self.add_apart)
+        update = self.orthogonalize(grad, self.dtype, p in self.add_apart)
         if self.neuron_beta2:
             update = self._normalize_neurons(p, update)
         if p.dtype == torch.bfloat16 and "low_half" not in state:  # its value so far: exactly the bfloat16 one
@@ -681,18 +658,18 @@ class CausalSelfAttention(nn.Module):
     position 2t and the second half at 2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1)
     turns as one vector at 2t and 2t + 1."""
 
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, attn_gate: bool = False, ve_gate: bool = False,
-                 key_offset: bool = False, paired: bool = False, matrix_dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, ve_gate: bool, key_offset: bool, paired: bool,
+                 matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_heads, self.head_dim, self.key_offset, self.paired = num_heads, head_dim, key_offset, paired
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
         # q, k, v and the output projection in one parameter (one Muon matrix each); the output starts at zero.
         self.qkvo_w = nn.Parameter(torch.zeros(4, model_dim, model_dim, dtype=matrix_dtype))
-        # Optional gates, per head: the attention output times sigmoid(w . x[:12]), and the value embedding times
-        # 2 sigmoid(w . x[:12]) (records from 2025-12-29).
+        # Gates, per head: the attention output times sigmoid(w . x[:12]), and (on the layers with one) the value
+        # embedding times 2 sigmoid(w . x[:12]) (records from 2025-12-29).
         gate_inputs = min(GATE_INPUTS, model_dim)
-        self.attn_gate = CastedLinear(gate_inputs, num_heads) if attn_gate else None
+        self.attn_gate = CastedLinear(gate_inputs, num_heads)
         self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
 
     def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
@@ -715,16 +692,13 @@ class CausalSelfAttention(nn.Module):
             if cache is not None:
                 cache.last_key = k[:, -1:]
             k = offset_keys(k, before, restarts)
-        if ve is not None and self.ve_gate is None:
-            v = v + ve.view_as(v)
-        elif ve is not None:
+        if ve is not None:
             v = v + 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features])).view(*v.shape[:-1], 1) * ve.view_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
         y = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H, D)
-        if self.attn_gate is not None:
-            y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
+        y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
         return F.linear(y.reshape(B, T, -1), lambdas[1] * self.qkvo_w[3].type_as(y))
 
 
@@ -744,29 +718,24 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, attn_gate: bool = False,
-                 ve_gate: bool = False, key_offset: bool = False, paired: bool = False,
-                 matrix_dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, ve_gate: bool = False,
+                 key_offset: bool = False, paired: bool = False, matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, attn_gate, ve_gate, key_offset, paired,
-                                         matrix_dtype) if has_attention else None)
+        self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, ve_gate, key_offset, paired, matrix_dtype)
+                     if has_attention else None)
         self.mlp = MLP(model_dim, matrix_dtype)
 
     def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, resid_lambda: Tensor, x0_lambda: Tensor,
-                attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache=None, positions: int | Tensor = 0,
-                restarts: Tensor | None = None, bigram: Tensor | None = None, bigram_lambda: Tensor | None = None) -> Tensor:
+                attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache, positions: int | Tensor,
+                restarts: Tensor | None, bigram: Tensor, bigram_lambda: Tensor) -> Tensor:
         """x0: the embeddings, None in the first layer, where x is x0 and the two lambdas are summed (the record);
         bigram: the bigram embedding, added times its lambda (records from 2026-01-19)."""
         x = (resid_lambda + x0_lambda) * x if x0 is None else resid_lambda * x + x0_lambda * x0
-        if bigram is not None:
-            x = x + bigram_lambda * bigram
+        x = x + bigram_lambda * bigram
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
         x = x + self.mlp(norm(x))
         return x
-
-
-VALUE_EMBED_LAYOUTS = ("u", "alternate")  # the values of Hyperparameters.value_embed_layout
 
 
 def u_layers(num_layers: int) -> tuple[int, int]:
@@ -775,16 +744,12 @@ def u_layers(num_layers: int) -> tuple[int, int]:
     return num_layers + num_layers % 2, num_layers % 2
 
 
-def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | None]:
-    """Each layer's value-embedding table: u (the record) puts tables 0, 1, 2 on the first and last three layers of the
-    U (fewer when shallow); alternate puts half as many on every other layer, each used twice in turn."""
+def value_embedding_layout(num_layers: int) -> list[int | None]:
+    """Each layer's value-embedding table, as the records place them: tables 0, 1, 2 on the first and last three layers
+    of the U (fewer when shallow)."""
     depth, cut = u_layers(num_layers)
     if cut:
-        return value_embedding_layout(depth, layout)[cut:]
-    if layout == "alternate":
-        layers = range(0, num_layers, 2)
-        tables = -(-len(layers) // 2)
-        return [layers.index(i) % tables if i in layers else None for i in range(num_layers)]
+        return value_embedding_layout(depth)[cut:]
     tables = min(3, (num_layers - 2) // 2)
     placed = [None] * num_layers
     for t in range(tables):
@@ -792,11 +757,11 @@ def value_embedding_layout(num_layers: int, layout: str = "u") -> list[int | Non
     return placed
 
 
-def attention_free_layer(num_layers: int, layout: str = "u") -> int:
+def attention_free_layer(num_layers: int) -> int:
     """The layer without attention: the U's second decoder layer (7 of 12, 6 of 11, as in the records), or the
     nearest earlier one without a value embedding, whose only use is attention."""
     depth, cut = u_layers(num_layers)
-    table_of_layer = value_embedding_layout(depth, layout)
+    table_of_layer = value_embedding_layout(depth)
     return max(i for i in range(cut, min(depth // 2 + 2, depth)) if table_of_layer[i] is None) - cut
 
 
@@ -827,61 +792,18 @@ EVAL_LOSS_CHUNK = 8192
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
 
 
-class ChunkedSoftcapLoss(torch.autograd.Function):
-    """The summed cross-entropy of softcapped logits xn @ w^T, chunk rows at a time, never holding (T, vocab) float32
-    logits: each chunk's gradients are made in the forward while its logits are at hand; backward only scales them."""
-
-    @staticmethod
-    def forward(ctx, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False,
-                cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
-        scale = 1 / LOGIT_SOFTCAP_SPREAD
-        c = cap * scale  # d logits/d z = c * s * (1 - s)
-        need_grads = any(ctx.needs_input_grad[:2])
-        grad_xn = torch.empty_like(xn) if need_grads else None
-        grad_w = torch.zeros_like(w, dtype=torch.float32) if need_grads else None
-        total = torch.zeros((), dtype=torch.float32, device=xn.device)
-        for start in range(0, xn.size(0), chunk):
-            rows, t = xn[start:start + chunk], targets[start:start + chunk]
-            target_cols = t[:, None]  # each row's target, as a gather index
-            if softcap_in_xn_dtype:  # sigmoid(z / spread) as the bf16 softcap rounds it (its gradient is not this one's)
-                s = softcap(rows @ w.T, True, cap, offset).float().div_(cap)
-            else:
-                s = (rows @ w.T).float().add_(offset).mul_(scale).sigmoid_()
-            # Logits in (0, cap): exp cannot overflow, so no max pass. exp2, because inductor on
-            # CPU stores an exp read twice (a float32 copy of the chunk's logits) but recomputes an exp2.
-            softmax = torch.exp2(s * (cap * LOG2E))
-            sum_exp = softmax.sum(dim=-1)
-            s_target = s.gather(1, target_cols)
-            # Out of place: torch 2.11's dynamo passes a zero gradient to backward for an output it saw mutated.
-            total = total + (sum_exp.log() - cap * s_target.squeeze(1)).sum()
-            if not need_grads:
-                continue
-            # d loss/d z = (softmax - one_hot(target)) * c * s * (1 - s); the one-hot entry of each row is
-            # assigned afterwards (scatter_ is slow on CPU, and `-=` makes inductor copy the chunk).
-            k = (c / sum_exp)[:, None]
-            grad_target = (softmax.gather(1, target_cols) * k - c) * torch.addcmul(s_target, s_target, s_target, value=-1)
-            grad = softmax.mul_(k).mul_(torch.addcmul(s, s, s, value=-1)).to(xn.dtype)
-            grad[torch.arange(t.numel(), device=t.device), t] = grad_target.squeeze(1).to(xn.dtype)
-            grad_xn[start:start + chunk] = grad @ w
-            grad_w += (grad.T @ rows).float()
-        ctx.save_for_backward(grad_xn, grad_w.to(w.dtype) if need_grads else None)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total: Tensor):
-        grad_xn, grad_w = ctx.saved_tensors
-        return grad_xn * grad_total.to(grad_xn.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None, None
-
-    @classmethod
-    def loss(cls, xn: Tensor, w: Tensor, targets: Tensor, chunk: int, softcap_in_xn_dtype: bool = False,
-             cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
-        """apply(), with gradients only where autograd can use them: needs_input_grad follows requires_grad even
-        under no_grad, so validation's inputs go in detached."""
-        if not torch.is_grad_enabled():
-            xn, w = xn.detach(), w.detach()
-        if softcap_in_xn_dtype and torch.is_grad_enabled():
-            raise ValueError("the chunked loss's gradient is the float32 softcap's: softcap_in_xn_dtype is for evaluation")
-        return cls.apply(xn, w, targets, chunk, softcap_in_xn_dtype, cap, offset)
+def chunked_eval_loss(xn: Tensor, w: Tensor, targets: Tensor, cap: float, offset: float) -> Tensor:
+    """Validation's summed cross-entropy of the softcapped logits xn @ w^T, EVAL_LOSS_CHUNK rows at a time, never
+    holding (T, vocab) float32 logits: the softcap in xn's dtype (the run's), rounded after each operation as the
+    records from 2025-09-27 compute it, the cross-entropy in float32."""
+    total = torch.zeros((), dtype=torch.float32, device=xn.device)
+    for start in range(0, xn.size(0), EVAL_LOSS_CHUNK):
+        rows, t = xn[start:start + EVAL_LOSS_CHUNK], targets[start:start + EVAL_LOSS_CHUNK]
+        s = softcap(rows @ w.T, True, cap, offset).float().div_(cap)
+        # Logits in (0, cap): exp cannot overflow, so no max pass.
+        sum_exp = torch.exp2(s * (cap * LOG2E)).sum(dim=-1)
+        total = total + (sum_exp.log() - cap * s.gather(1, t[:, None]).squeeze(1)).sum()
+    return total
 
 
 def targets_ahead(targets: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -956,143 +878,148 @@ class SoftcappedLoss(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
-def draw_matrices(blocks: nn.ModuleList, model_dim: int, attn_init_std: float):
+RESIDUAL_LAMBDA_INIT = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18)
+ATTN_INIT_STD = 1.0  # q, k, v start uniform with std ATTN_INIT_STD / sqrt(model_dim) (records from 2025-12-22)
+HEAD_INIT_STD = 0.005  # the lm_head starts normal with this std (records from 2025-12-19)
+
+
+def draw_matrices(blocks: nn.ModuleList, model_dim: int):
     """The records' draws from 2026-01-18: every layer's q, k and v, then every up-projection and one more (the record's
     padding MLP, discarded), each uniform in float32 and rounded once to its parameter's dtype."""
     attention = [block.attn.qkvo_w[:3] for block in blocks if block.attn is not None]
     up = [block.mlp.c_fc for block in blocks]
     with torch.no_grad():
-        for weights, bound in ((attention, init_bound(model_dim, attn_init_std)), (up, init_bound(model_dim))):
+        for weights, bound in ((attention, init_bound(model_dim, ATTN_INIT_STD)), (up, init_bound(model_dim))):
             for w in weights:
                 w.copy_(torch.empty(w.shape).uniform_(-bound, bound))
         torch.empty(up[0].shape).uniform_()
 
 
+@dataclass(frozen=True)
+class GPTConfig:
+    """What a GPT is built from; gpt_config() makes it from the hyperparameters and the device plan, in one place."""
+    vocab_size: int  # tokens; the embeddings and the lm_head are padded to a multiple of 128
+    num_layers: int  # an odd depth is the U one layer deeper without its layer 0 (u_layers)
+    num_heads: int  # attention heads
+    head_dim: int  # dims per head; num_heads x head_dim = model_dim
+    model_dim: int  # residual stream width
+    max_seq_len: int  # positions of the rotary tables (twice as many: the paired-head layers' sequence)
+    windows: tuple = (3, 7, 11, 13)  # every long window of a run in order, in window units: each its softmax scale
+    window_unit: int = BLOCK_SIZE  # tokens per window unit
+    attention_scale: float = 0.1  # the softmax scale at the first window
+    attention_scale_growth: float = 0.2  # each new window multiplies the scale by 1 + this x ln(new / previous)
+    skip_layers: tuple | None = None  # decoder layers that add their mirror encoder layer's output; None: every one
+    backout_layer: int = -1  # the layer whose output is partly taken out before the lm_head; -1: none
+    paired_layers: tuple = ()  # layers whose heads attend in pairs over a sequence twice as long
+    logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5)
+    logit_offset: float = LOGIT_OFFSET
+    dtype: torch.dtype = torch.float32  # every parameter but the scalars, and the rotary tables
+    attention_backend: str = "sdpa"  # flex: FlexAttention block masks; sdpa: the same masks, dense
+    fp8: bool = False  # the lm_head's training matmul in FP8
+
+
 class GPT(nn.Module):
     """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
-    reversed(parameters()) is the order in which gradients become ready (the bucketing relies on it). windows: every
-    long window of a run in order, each with its softmax scale; skip_layers: the decoder layers that take a skip (None:
-    every one). tie_embed: the input embedding starts as a copy of the lm_head, and the training keeps it one until
-    the untie (Trainer.tie_embedding; the records from 2025-12-19). bigram: the hashed bigram embedding on every
-    layer's input, BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry (the records from 2026-01-19)."""
+    reversed(parameters()) is about the order in which gradients become ready, which the buckets follow (the skip
+    gate's comes at the first skip, earlier: a bucket waits for its last, whichever that is). The input
+    embedding starts as a copy of the lm_head, and the training keeps it one until the untie (Trainer.tie_embedding;
+    the records from 2025-12-19). A hashed bigram embedding, BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry, joins
+    every layer's input (the records from 2026-01-19)."""
 
-    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, *, attention_backend: str = "sdpa", fp8: bool = False, fp8_grad_scale: str = "record",
-                 loss_chunk: int = 0, embed_dtype: torch.dtype = torch.float32, value_embed_layout: str = "u",
-                 value_embed_gates: bool = False, attn_gates: bool = False, key_offset: bool = False,
-                 smear: bool = False, skip_gates: bool = False, skip_input_gate: bool = False,
-                 skip_layers: tuple | None = None, residual_lambda_init: float = 1.0, backout_layer: int = -1,
-                 attn_init_std: float = 0.5, head_init_std: float = 0.0, logit_cap: float = LOGIT_SOFTCAP,
-                 logit_offset: float = LOGIT_OFFSET,
-                 rotary_dtype: torch.dtype = torch.float32, linear_dtype: torch.dtype = torch.float32,
-                 matrix_dtype: torch.dtype = torch.float32, paired_layers: tuple = (), bigram: bool = False,
-                 tie_embed: bool = False,
-                 val_softcap_in_run_dtype: bool = False, windows=(3, 7, 11, 13),
-                 window_unit: int = BLOCK_SIZE, attention_scale: float = 0.1, attention_scale_growth: float = 0.2):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        if num_layers < 2:
-            raise ValueError(f"num_layers must be >= 2, got {num_layers}")
-        if not -1 <= backout_layer < num_layers:
-            raise ValueError(f"backout_layer must be a layer below num_layers={num_layers}, or -1 for none; got {backout_layer}")
-        self.vocab_size, self.num_layers, self.max_seq_len = vocab_size, num_layers, max_seq_len
-        self.attention_backend = attention_backend
-        self.ve_layout = value_embedding_layout(num_layers, value_embed_layout)
-        self.long_window = long_window_layers(num_layers)
-        no_attention = attention_free_layer(num_layers, value_embed_layout)
-        padded_vocab = next_multiple(vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
+        c = self.config = config
+        L, D = c.num_layers, c.model_dim
+        if L < 2:
+            raise ValueError(f"num_layers must be >= 2, got {L}")
+        if not -1 <= c.backout_layer < L:
+            raise ValueError(f"backout_layer must be a layer below num_layers={L}, or -1 for none; got {c.backout_layer}")
+        self.vocab_size, self.num_layers, self.max_seq_len = c.vocab_size, L, c.max_seq_len
+        self.attention_backend = c.attention_backend
+        self.ve_layout = value_embedding_layout(L)
+        self.long_window = long_window_layers(L)
+        no_attention = attention_free_layer(L)
+        padded_vocab = next_multiple(c.vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
         # Built in the record's order of random draws, registered below in forward order. The smear's and the skip's
         # gates start at zero after a draw the record discards (its nn.Linear's, from 2026-01-18).
-        gate_inputs = min(GATE_INPUTS, model_dim)  # the gates read the first dims of their input
-        smear_gate = CastedLinear(gate_inputs, 1) if smear else None
-        skip_gate = CastedLinear(gate_inputs, 1) if skip_input_gate else None
+        gate_inputs = min(GATE_INPUTS, D)  # the gates read the first dims of their input
+        smear_gate, skip_gate = CastedLinear(gate_inputs, 1), CastedLinear(gate_inputs, 1)
         for gate in (smear_gate, skip_gate):
-            if gate is not None:
-                torch.empty(gate.weight.shape).uniform_()
-        value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, model_dim)
+            torch.empty(gate.weight.shape).uniform_()
+        value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, D)
                                      for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
         with torch.no_grad():  # zero after their draws, which keeps every later draw in its place (records from 2025-12-14)
             for table in value_embeds:
                 table.weight.zero_()
-        self.paired = [i in paired_layers for i in range(num_layers)]
-        if any(self.paired[i] and (i == no_attention or key_offset and self.long_window[i] or num_heads % 2)
-               for i in range(num_layers)):
-            raise ValueError(f"paired_head_layers={','.join(map(str, paired_layers))}: pairs of heads (an even number) "
-                             f"in layers with attention and without the key offset (not the long-window layers "
-                             f"{[i for i, long in enumerate(self.long_window) if long]} while key_offset is on)")
-        blocks = nn.ModuleList(Block(model_dim, num_heads, head_dim, i != no_attention, attn_gates,
-                                     value_embed_gates and self.ve_layout[i] is not None,
-                                     key_offset and self.long_window[i], self.paired[i], matrix_dtype)
-                               for i in range(num_layers))
-        draw_matrices(blocks, model_dim, attn_init_std)
-        self.logit_cap, self.logit_offset = logit_cap, logit_offset
-        lm_head = CastedLinear(model_dim, padded_vocab, lm_head_fp8_scales(fp8_grad_scale, logit_cap) if fp8 else None)
-        if head_init_std:  # drawn as the record stores it from 2026-01-18, (model_dim, vocab), in its dtype
-            with torch.no_grad():
-                lm_head.weight.copy_(torch.empty(model_dim, padded_vocab, dtype=linear_dtype).normal_(0, head_init_std).T)
-        embed = nn.Embedding(padded_vocab, model_dim)
-        if tie_embed:  # the record's copy of the lm_head, after the draw it discards
-            with torch.no_grad():
-                embed.weight.copy_(lm_head.weight)
+        self.paired = [i in c.paired_layers for i in range(L)]
+        if any(self.paired[i] and (i == no_attention or self.long_window[i] or c.num_heads % 2) for i in range(L)):
+            raise ValueError(f"paired_layers={','.join(map(str, c.paired_layers))}: pairs of heads (an even number) in "
+                             f"layers with attention and without the key offset (not the long-window layers "
+                             f"{[i for i, long in enumerate(self.long_window) if long]})")
+        blocks = nn.ModuleList(Block(D, c.num_heads, c.head_dim, i != no_attention, self.ve_layout[i] is not None,
+                                     self.long_window[i], self.paired[i], c.dtype)
+                               for i in range(L))
+        draw_matrices(blocks, D)
+        self.logit_cap, self.logit_offset = c.logit_cap, c.logit_offset
+        lm_head = CastedLinear(D, padded_vocab, LM_HEAD_FP8_SCALES if c.fp8 else None)
+        with torch.no_grad():  # drawn as the record stores it from 2026-01-18, (model_dim, vocab), in its dtype
+            lm_head.weight.copy_(torch.empty(D, padded_vocab, dtype=c.dtype).normal_(0, HEAD_INIT_STD).T)
+        embed = nn.Embedding(padded_vocab, D)
+        with torch.no_grad():  # the record's copy of the lm_head, after the draw it discards
+            embed.weight.copy_(lm_head.weight)
         # A token's bigram (hashed with the one before) looks up a row added to every layer's input (records from
         # 2026-01-19); drawn, then zeroed, as the record's. Its gradient is complete after the embedding's.
-        self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, model_dim) if bigram else None
-        if bigram:
-            with torch.no_grad():
-                self.bigram_embed.weight.zero_()
+        self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, D)
+        with torch.no_grad():
+            self.bigram_embed.weight.zero_()
         self.embed, self.smear_gate, self.value_embeds = embed, smear_gate, value_embeds
         # Scalars, one Adam tensor: per layer the residual stream's lambda, those on attention's (q k v, output)
-        # weights and on the bigram embedding where it is on, then the smear's and the backout's lambdas where those are
-        # on, and the U-net skip weights. The x0 lambdas are a tensor of their own: the records give them other betas.
-        self.skip_gates, self.backout_layer = skip_gates, backout_layer
-        self.num_skip_weights = len(skip_receivers(num_layers))
-        self.smear_index = (4 if bigram else 3) * num_layers
-        self.backout_index = self.smear_index + int(smear)
+        # weights and on the bigram embedding, then the smear's and (where on) the backout's lambdas, and the U-net
+        # skip weights. The x0 lambdas are a tensor of their own: the records give them other betas.
+        self.backout_layer = c.backout_layer
+        self.num_skip_weights = len(skip_receivers(L))
+        self.smear_index = 4 * L
+        self.backout_index = self.smear_index + 1
         self.scalars = nn.Parameter(torch.cat([
-            torch.full((num_layers,), residual_lambda_init),
-            torch.tensor([0.5, 1.0]).repeat(num_layers),
-            torch.full((num_layers if bigram else 0,), BIGRAM_LAMBDA_INIT),
-            torch.zeros(int(smear)),
-            torch.full((int(backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
-            torch.full((self.num_skip_weights,), SKIP_GATE_INIT if skip_gates else 1.0),
+            torch.full((L,), RESIDUAL_LAMBDA_INIT),
+            torch.tensor([0.5, 1.0]).repeat(L),
+            torch.full((L,), BIGRAM_LAMBDA_INIT),
+            torch.zeros(1),
+            torch.full((int(c.backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
+            torch.full((self.num_skip_weights,), SKIP_GATE_INIT),
         ]))
-        self.x0_lambdas = nn.Parameter(torch.zeros(num_layers))
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))
         self.skip_gate = skip_gate
         self.blocks = blocks
         # U-net skips: decoder layer i adds skip_partner(i)'s output, weighted by skip weight i - (first decoder layer).
-        decoder = skip_receivers(num_layers)
-        self.skip_layers = tuple(decoder) if skip_layers is None else tuple(skip_layers)
+        decoder = skip_receivers(L)
+        self.skip_layers = tuple(decoder) if c.skip_layers is None else tuple(c.skip_layers)
         if any(i not in decoder for i in self.skip_layers):
             raise ValueError(f"skip_layers must be among the decoder layers {decoder.start}..{decoder.stop - 1} (the "
                              f"others have no partner), got {','.join(map(str, self.skip_layers))}")
-        self.window_unit = window_unit
-        self.rotary = Rotary(head_dim, max_seq_len, window_unit, rotary_dtype)
-        self.attention_scales = attention_scales(windows, attention_scale, attention_scale_growth)
+        self.window_unit = c.window_unit
+        self.rotary = Rotary(c.head_dim, c.max_seq_len, c.window_unit, c.dtype)
+        self.attention_scales = attention_scales(c.windows, c.attention_scale, c.attention_scale_growth)
         self.lm_head = lm_head
-        self.loss_chunk = loss_chunk  # training loss in chunks of this many rows (ChunkedSoftcapLoss); 0: all at once
-        self.val_softcap_in_run_dtype = val_softcap_in_run_dtype
-        for table in [self.embed, *self.value_embeds, *([self.bigram_embed] if bigram else [])]:
-            table.to(embed_dtype)
+        for table in [self.embed, *self.value_embeds, self.bigram_embed]:
+            table.to(c.dtype)
         for module in self.modules():  # the lm_head and the gates
             if isinstance(module, CastedLinear):
-                module.to(linear_dtype)
+                module.to(c.dtype)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None,
                 mtp_weights: Tensor | None = None) -> Tensor:
         """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
         the long layers' alone). Training returns the summed loss (SoftcappedLoss; mtp_weights: each position's next
-        targets' weights, the next one's alone if None), eval the mean, EVAL_LOSS_CHUNK positions at a time."""
+        targets' weights, the next one's alone if None), eval the mean (chunked_eval_loss)."""
         x = self.trunk(input_seq, window, long_window=long_window)
-        if self.training and not self.loss_chunk:
-            logits = self.lm_head(norm(x))
-            weights = torch.ones(1, device=x.device) if mtp_weights is None else mtp_weights
-            return SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), target_seq, weights, self.logit_cap,
-                                        self.logit_offset).sum()
-        if self.training and mtp_weights is not None and mtp_weights.numel() > 1:
-            raise ValueError("multi-token prediction needs the whole logits: loss_chunk=0")
-        loss = ChunkedSoftcapLoss.loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq,
-                                       self.loss_chunk if self.training else EVAL_LOSS_CHUNK,
-                                       self.val_softcap_in_run_dtype and not self.training, self.logit_cap, self.logit_offset)
-        return loss if self.training else loss / target_seq.numel()
+        if not self.training:
+            return chunked_eval_loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq, self.logit_cap,
+                                     self.logit_offset) / target_seq.numel()
+        logits = self.lm_head(norm(x))
+        weights = torch.ones(1, device=x.device) if mtp_weights is None else mtp_weights
+        return SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), target_seq, weights, self.logit_cap,
+                                    self.logit_offset).sum()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -1114,24 +1041,21 @@ class GPT(nn.Module):
                 raise ValueError("restarts are for whole sequences: not with a cache")
             index = torch.arange(tokens.numel(), device=tokens.device)
             positions = index - torch.where(restarts, index, 0).cummax(0).values
-        bigram, bigram_lambdas = None, [None] * L
-        if self.bigram_embed is not None:  # generation's new tokens: hashed after the cached ones
-            seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
-            bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
-            bigram_lambdas = self.scalars[3 * L:4 * L]
-        x = self.embed(tokens)
-        if self.smear_gate is not None:
-            x = self.smear(x, self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None, restarts)
+        # Generation's new tokens are hashed after the cached ones.
+        seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
+        bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
+        bigram_lambdas = self.scalars[3 * L:4 * L]
+        x = self.smear(self.embed(tokens), self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None,
+                       restarts)
         x = x0 = norm(x[None])
         skips, backout = {}, None
         partners = {skip_partner(L, i): i for i in self.skip_layers}
         first_decoder = skip_receivers(L).start
         for i in range(L):
             if i in self.skip_layers:
-                weight = skip_weights[i - first_decoder]
-                gate = torch.sigmoid(weight) if self.skip_gates else weight
-                if self.skip_gate is not None:  # times 2 sigmoid(w . x0[:12]) (records from 2025-12-29)
-                    gate = gate * 2 * torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features]))
+                # sigmoid(w) (records from 2025-09-11) times 2 sigmoid(v . x0[:12]) (records from 2025-12-29)
+                gate = torch.sigmoid(skip_weights[i - first_decoder])
+                gate = gate * 2 * torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features]))
                 x = x + gate * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0 if i else None, layer_ve, resid_lambdas[i], self.x0_lambdas[i], attn_lambdas[i],
@@ -1170,7 +1094,7 @@ class GPT(nn.Module):
 class GradientBuckets:
     """Gradient averaging over ranks in buckets of about bucket_bytes: on the last micro-step, the hook of a bucket's
     last ready gradient launches its async all-reduce. Each .grad is a view of its bucket's flat buffer (no copies).
-    Buckets of deferred parameters (Adam's, when it steps every few steps) are reduced only on the steps that set
+    Buckets of deferred parameters (Adam's, which steps every second step) are reduced only on the steps that set
     reduce_deferred; in between, their gradients add up in the buffers, as each rank's own. Parameters in idle get no
     gradient of their own: their buckets are reduced without them, or not at all; a parameter in alone gets a bucket of
     its own, skipped whole while it is idle. fold, (source, target): on the steps that reduce target, source's gradient
@@ -1484,7 +1408,6 @@ class Hyperparameters:
     num_iterations: int = 1600  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
     cooldown_frac: float = 0.55  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
-    lr_stage_peaks: tuple = (1.0, 1.52, 1.73)  # lr multiplier before the cooldown in each equal part of the scheduled steps, from the step after a part begins (records from 2025-11-29)
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of the scheduled steps; short-window layers get half (rounded down)
@@ -1498,26 +1421,11 @@ class Hyperparameters:
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
-    value_embed_layout: str = "u"  # value-embedding tables on layers: u (the record: first and last three) or alternate (every other layer; reported better in later records)
-    value_embed_gates: bool = True  # a learned per-head gate on each value embedding (records from 2025-12-29)
-    attn_gates: bool = True  # a learned per-head gate on each attention output (the record's sparse attention gate)
-    key_offset: bool = True  # the long-window layers' keys take the previous position's on the rotary's stationary dims (records from 2025-12-14)
-    smear: bool = True  # add a gated share of the previous token's embedding to each token's (records from 2025-09-18)
-    skip_gates: bool = True  # U-net skips weighted by sigmoid(w), w from -1.5, instead of w from 1 (records from 2025-09-11)
-    skip_input_gate: bool = True  # the skip's weight also times 2 sigmoid(v . x0[:12]), v learned (records from 2025-12-29)
     skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
-    residual_lambda_init: float = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18; 1.0 before)
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
-    attn_init_std: float = 1.0  # q, k, v weights start uniform with std attn_init_std / sqrt(model_dim) (records from 2025-12-22; 0.5 before)
-    head_init_std: float = 0.005  # the lm_head's weights start normal with this std (records from 2025-12-19); 0: zero
-    untie_embed_frac: float = 2 / 3  # the input embedding is tied to the lm_head (a copy; records from 2025-12-22, in this form from 2026-01-18) until the first Adam step from this fraction of the scheduled steps, then trained apart from a copy of it and its Adam state; 0: its own from the start
-    mtp_weights: tuple = (1.0, 0.5, 0.25)  # multi-token prediction: part k of as many equal parts of the scheduled steps weighs the next len-k tokens by these, the last fading to 0 over the part (records from 2025-12-22); (1.0,): next token only
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
-    rotary_in_run_dtype: bool = True  # rotary tables stored and q, k rotated in the run's dtype (bf16), not float32 (records from 2025-09-11)
-    head_and_gates_in_run_dtype: bool = True  # the lm_head's and the gates' master weights in the run's dtype (bf16), not float32 (records from 2025-09-11)
-    val_softcap_in_run_dtype: bool = True  # validation's softcap in the run's dtype (bf16), its cross-entropy in float32 (records from 2025-09-27; training's loss is float32 from 2026-01-16)
     attention_scale: float = 0.1  # softmax scale in the first window stage
     attention_scale_growth: float = 0.2  # each new window multiplies the softmax scale by 1 + this x ln(new / previous); 0: constant
     # optimizers
@@ -1528,29 +1436,19 @@ class Hyperparameters:
     gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
     skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
-    head_betas: tuple = (0.5, 0.95)  # Adam's betas for the lm_head and the embedding (betas by parameter kind: records from 2026-01-04)
-    value_embed_betas: tuple = (0.75, 0.95)  # Adam's betas for the value embeddings and the bigram embedding
-    gate_betas: tuple = (0.9, 0.99)  # Adam's betas for the gates and the scalars (the scalars': records from 2025-12-21)
-    x0_betas: tuple = (0.65, 0.95)  # Adam's betas for the x0 lambdas
     adam_eps: float = 1e-10  # Adam epsilon
-    adam_cautious_wd: float = 0.005  # Adam's cautious weight decay, times lr^2 and each group's ADAM_WD_MULS (records from 2025-12-18); 0: off
-    adam_every: int = 2  # Adam steps every N steps, the last of each N, on their summed gradients (records from 2025-09-30: the odd steps)
     muon_lr: float = 0.023  # Muon lr for hidden matrices
-    mlp_down_lr_mul: float = 2.0  # Muon lr multiplier of each MLP's down-projection, on top of the shape's (records from 2025-12-11)
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
     muon_momentum_cooldown_steps: int = 50  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30)
     muon_neuron_beta2: float = 0.95  # NorMuon (Li et al., 2025) as the records from 2025-10-27 compute it: EMA decay of each neuron's update mean square; 0: off
     muon_cautious_wd: float = 1.2  # cautious weight decay on Muon's matrices (Chen et al., 2025), x the lr: p -= lr' (v + lr wd mask p) (records from 2025-11-10); 0: off
-    orthogonalizer: str = "polar_express"  # Muon's orthogonalization: polar_express (records from 2025-09-29) or newton_schulz (the earlier records' quintic)
     # systems
-    dtype: str = "bfloat16"  # embeddings, activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
+    dtype: str = "bfloat16"  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 30  # steps on random tokens before training, to compile (each training shape from its first step, in turn); state restored afterwards
     fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
-    fp8_grad_scale: str = "record"  # FP8 lm_head gradient scale: record (0.75/448, published) or e5m2_bound (ours: keeps gradients the record's flushes; unmeasured on H100; not with multi-token prediction)
-    loss_chunk: int = 0  # training loss over the lm_head this many positions at a time, never holding all fp32 logits (ours; 0: at once, as the record; not with fp8)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
     seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
@@ -1598,7 +1496,7 @@ PRESETS = {
         embed_lr=0.11 / 128**0.5,  # the lm_head's, as the record's (the embedding starts as its copy)
         value_embed_lr=0.3,  # Adam lrs x0.5 of the record's (the bigram table's too): better at 2 x 1024 tokens a step
         scalar_lr=0.02,
-        muon_lr=0.025,  # x the shape factors: attention 0.025, the MLP's up 0.05 and down 0.1 (mlp_down_lr_mul)
+        muon_lr=0.025,  # x the shape factors: attention 0.025, the MLP's up 0.05 and down 0.1 (MLP_DOWN_LR_MUL)
         muon_momentum_warmup_steps=30,  # set for 85 steps of 8 x 1024, kept since; unmeasured against the record's 300 scaled
         muon_momentum_cooldown_steps=8,  # the record's 50 of 1600 steps, scaled
         muon_cautious_wd=20.0,  # the records' form, tied to lr^2: 10 and 40 alike at muon_lr 0.05 (records/track_cpu/README.md)
@@ -1613,9 +1511,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # The settings that take one of a few values, and those values: check_hyperparameters() validates them.
 CHOICES = {
     "dtype": ("auto", *DTYPES),
-    "orthogonalizer": ORTHOGONALIZERS,
-    "value_embed_layout": VALUE_EMBED_LAYOUTS,
-    "fp8_grad_scale": FP8_GRAD_SCALES,
 }
 
 # Settings that may differ between a checkpoint and the run resuming it.
@@ -1657,8 +1552,6 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         if not values or any(value <= 0 or value % BLOCK_SIZE for value in values):
             raise ConfigError(f"{name}={','.join(map(str, values))} must be positive multiples of {BLOCK_SIZE} (the "
                               f"attention block size)")
-    if not args.lr_stage_peaks or min(args.lr_stage_peaks) <= 0:
-        raise ConfigError(f"lr_stage_peaks={','.join(map(str, args.lr_stage_peaks))} must be one or more numbers > 0")
     if args.num_layers < 2:
         raise ConfigError(f"num_layers={args.num_layers} must be at least 2 (U-net halves)")
     if args.head_dim % 4:
@@ -1681,41 +1574,16 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"muon_neuron_beta2={args.muon_neuron_beta2} must be within [0, 1) (0: NorMuon off)")
     if args.muon_cautious_wd < 0:
         raise ConfigError(f"muon_cautious_wd={args.muon_cautious_wd} must be >= 0 (0: off)")
-    if args.mlp_down_lr_mul <= 0:
-        raise ConfigError(f"mlp_down_lr_mul={args.mlp_down_lr_mul} must be > 0")
-    if args.loss_chunk < 0:
-        raise ConfigError(f"loss_chunk={args.loss_chunk} must be >= 0 (0: the whole sequence at once)")
     if args.num_iterations < 1:
         raise ConfigError(f"num_iterations={args.num_iterations} must be at least 1")
-    if not args.mtp_weights or args.mtp_weights[0] != 1 or min(args.mtp_weights) <= 0:
-        raise ConfigError(f"mtp_weights={','.join(map(str, args.mtp_weights))} must start with 1 (the next token's) and "
-                          f"be > 0")
-    if len(args.mtp_weights) > 1 and args.loss_chunk:
-        raise ConfigError(f"mtp_weights={','.join(map(str, args.mtp_weights))} needs loss_chunk=0 (got "
-                          f"{args.loss_chunk}): multi-token prediction takes the whole logits")
-    if len(args.mtp_weights) > 1 and args.fp8_grad_scale == "e5m2_bound":
-        raise ConfigError("fp8_grad_scale=e5m2_bound bounds one prediction's gradient: not with mtp_weights")
-    if not 0 <= args.untie_embed_frac < 1:
-        raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} must be within [0, 1) (0: untied from the start)")
-    if args.untie_embed_frac and args.head_init_std <= 0:
-        raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} ties the embedding to the lm_head: it needs "
-                          f"head_init_std > 0 (a zero lm_head as the embedding gets no gradient)")
-    if args.untie_embed_frac and untie_step(args) >= args.num_iterations:
-        raise ConfigError(f"untie_embed_frac={args.untie_embed_frac} unties after step {untie_step(args)}, past the last "
-                          f"of num_iterations={args.num_iterations}; lower it, or 0 for an untied embedding")
     # Logits up to cap and no max taken out: the sum of exp over the padded vocabulary must stay finite in float32.
     largest_cap = math.log(torch.finfo(torch.float32).max / next_multiple(args.vocab_size, 128))
     if not 0 < args.logit_cap < largest_cap:
         raise ConfigError(f"logit_cap={args.logit_cap} must be within (0, {largest_cap:.1f}) (float32's exp over the "
                           f"vocabulary)")
-    if min(args.adam_cautious_wd, args.head_init_std, args.attn_init_std) < 0:
-        raise ConfigError(f"adam_cautious_wd={args.adam_cautious_wd}, head_init_std={args.head_init_std} and "
-                          f"attn_init_std={args.attn_init_std} must be >= 0")
-    if args.adam_every < 1:
-        raise ConfigError(f"adam_every={args.adam_every} must be at least 1 (1: every step)")
-    if args.checkpoint_every % args.adam_every:
-        raise ConfigError(f"checkpoint_every={args.checkpoint_every} must be a multiple of adam_every={args.adam_every}: "
-                          f"a checkpoint between Adam's steps would drop the gradients it has summed so far")
+    if args.checkpoint_every % ADAM_EVERY:
+        raise ConfigError(f"checkpoint_every={args.checkpoint_every} must be a multiple of {ADAM_EVERY}, Adam's steps: "
+                          f"a checkpoint between them would drop the gradients Adam has summed so far")
     for name in ("extension_steps", "muon_momentum_cooldown_steps"):
         if not 0 <= getattr(args, name) < args.num_iterations:
             raise ConfigError(f"{name}={getattr(args, name)} must be within [0, num_iterations={args.num_iterations})")
@@ -1724,15 +1592,11 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
                           f"for none")
     skip_layers(args)
     paired = paired_head_layers(args)
-    unpairable = [i for i in paired if i == attention_free_layer(args.num_layers, args.value_embed_layout)
-                  or args.key_offset and long_window_layers(args.num_layers)[i]]
+    unpairable = [i for i in paired if i == attention_free_layer(args.num_layers) or long_window_layers(args.num_layers)[i]]
     if paired and args.num_heads % 2 or unpairable:
         raise ConfigError(f"paired_head_layers={args.paired_head_layers}: pairs of heads need an even num_heads (got "
-                          f"{args.num_heads}) and layers with attention and no key offset (not {unpairable})")
-    for name in ("head_betas", "value_embed_betas", "gate_betas", "x0_betas"):
-        betas = getattr(args, name)
-        if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
-            raise ConfigError(f"{name}={','.join(map(str, betas))} must be two numbers within [0, 1)")
+                          f"{args.num_heads}) and layers with attention and no key offset, not the long-window ones "
+                          f"(not {unpairable})")
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
@@ -1752,7 +1616,6 @@ class DevicePlan:
     dtype: str  # embeddings, activations and Muon's orthogonalization: bfloat16 or float32
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
     fp8: bool  # the lm_head's matmul in FP8
-    loss_chunk: int  # training loss over this many positions at a time (ChunkedSoftcapLoss); 0: all at once
     compile: bool  # torch.compile the model
     compile_optimizers: bool  # torch.compile Muon's orthogonalization and Adam's update
     pinned_memory: bool  # batches in pinned host memory, copied without blocking
@@ -1800,14 +1663,13 @@ def cpp_compiler_found() -> bool:
 
 def plan_device(args: Hyperparameters, device: torch.device, allocator: str = "") -> DevicePlan:
     """CUDA runs the record's way (FlexAttention, FP8 where the GPU has it, compiled optimizers and FP8 scaling); a CPU
-    uses the same masks densely, the chunked loss and deterministic kernels."""
+    uses the same masks densely and deterministic kernels."""
     cuda = device.type == "cuda"
     fp8_ok, fp8_why = fp8_supported(device)
     fp8 = args.fp8 and fp8_ok
-    loss_chunk = 0 if fp8 else args.loss_chunk  # the FP8 lm_head has its own op
     compile = args.compile and (cuda or cpp_compiler_found())
     dtype, dtype_why = auto_dtype(device) if args.dtype == "auto" else (args.dtype, "")
-    plan = DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, loss_chunk, compile, compile_optimizers=cuda,
+    plan = DevicePlan(device, dtype, "flex" if cuda else "sdpa", fp8, compile, compile_optimizers=cuda,
                       pinned_memory=cuda, deterministic=not cuda, lines=())
     if plan.attention == "sdpa":
         attention_why = f"SDPA with dense masks (FlexAttention has no backward on {device.type} in torch {torch.__version__})"
@@ -1817,17 +1679,15 @@ def plan_device(args: Hyperparameters, device: torch.device, allocator: str = ""
         # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
         attention_why = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
     return dataclasses.replace(plan, lines=(
-        f"fp8 lm_head: {f'on ({fp8_why}), gradient scale {args.fp8_grad_scale}' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
+        f"fp8 lm_head: {f'on ({fp8_why})' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
         f"attention: {attention_why}",
-        "training loss: " + (f"in chunks of {loss_chunk} positions" if loss_chunk else "all positions at once"
-                             + (" (loss_chunk is unused with the fp8 lm_head)" if args.loss_chunk else "")),
         "compile: " + ("on" if compile else "off (compile=false)" if not args.compile
                        else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)"),
         # Inductor's CPU kernels add embedding gradients with atomics, in whatever order threads reach
         # them; the deterministic fallback adds in token order. CUDA keeps the record's kernels.
         "deterministic algorithms: " + ("on (a CPU run repeats to the bit at the same thread count, compiled or not)"
                                         if plan.deterministic else "off (CUDA: the record's kernels)"),
-        f"optimizers: Muon with {args.orthogonalizer}; both {'compiled' if plan.compile_optimizers else 'eager (compiled on CUDA only)'}",
+        f"optimizers: Muon (Polar Express) and Adam, {'compiled' if plan.compile_optimizers else 'eager (compiled on CUDA only)'}",
         f"dtype: {dtype}" + (f" (auto: {dtype_why})" if dtype_why else ""),
         f"pinned memory, non-blocking copies: {'on' if plan.pinned_memory else 'off (CUDA only)'}",
         f"CUDA allocator: {allocator if cuda else 'n/a (no CUDA)'}",
@@ -1846,30 +1706,30 @@ def check_ranks_agree(plan: DevicePlan, world_size: int):
 # The training step and loop
 
 
+def gpt_config(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None) -> GPTConfig:
+    """The GPT that args describe, built as plan says; without a plan, for inference on CPU (dense masks, no FP8,
+    float32 parameters)."""
+    return GPTConfig(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
+                     windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
+                     attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth,
+                     skip_layers=skip_layers(args), backout_layer=args.backout_layer,
+                     paired_layers=paired_head_layers(args), logit_cap=args.logit_cap, logit_offset=args.logit_offset,
+                     dtype=DTYPES[plan.dtype] if plan else torch.float32,
+                     attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8)
+
+
 def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None) -> GPT:
-    """The GPT that args describe, on CPU, built as plan says; without a plan, for inference on CPU
-    (dense masks, no FP8, float32 embeddings)."""
-    return GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
-               attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8,
-               fp8_grad_scale=args.fp8_grad_scale, loss_chunk=plan.loss_chunk if plan else 0,
-               embed_dtype=DTYPES[plan.dtype] if plan else torch.float32,
-               value_embed_layout=args.value_embed_layout, value_embed_gates=args.value_embed_gates,
-               attn_gates=args.attn_gates, key_offset=args.key_offset, smear=args.smear, skip_gates=args.skip_gates,
-               skip_input_gate=args.skip_input_gate,
-               skip_layers=skip_layers(args), residual_lambda_init=args.residual_lambda_init,
-               backout_layer=args.backout_layer, attn_init_std=args.attn_init_std, head_init_std=args.head_init_std,
-               logit_cap=args.logit_cap, logit_offset=args.logit_offset,
-               rotary_dtype=DTYPES[plan.dtype] if plan and args.rotary_in_run_dtype else torch.float32,
-               linear_dtype=DTYPES[plan.dtype] if plan and args.head_and_gates_in_run_dtype else torch.float32,
-               matrix_dtype=DTYPES[plan.dtype] if plan else torch.float32,
-               paired_layers=paired_head_layers(args), bigram=True, tie_embed=bool(args.untie_embed_frac),
-               val_softcap_in_run_dtype=args.val_softcap_in_run_dtype,
-               windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
-               attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth)
+    """The GPT of gpt_config(), on CPU."""
+    return GPT(gpt_config(args, max_seq_len, plan))
 
 
-# Adam's weight-decay multipliers (the records' from 2025-12-29); the other parameters' is 0.
-ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)  # value_embeds: the bigram embedding's too
+# Adam's betas by parameter kind (the records' from 2026-01-04), and its cautious weight decay, times lr^2 and each
+# kind's multiplier (the records' from 2025-12-29; the other kinds' is 0). value_embeds: the bigram embedding's too.
+ADAM_BETAS = dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), x0=(0.65, 0.95))
+ADAM_CAUTIOUS_WD = 0.005
+ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
+ADAM_EVERY = 2  # Adam steps every 2nd step, on the two steps' summed gradients (records from 2025-09-30)
+MLP_DOWN_LR_MUL = 2.0  # Muon's lr factor of each MLP's down-projection, on top of its shape's (records from 2025-12-11)
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_size: int = 1,
@@ -1881,24 +1741,21 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
     compiled = plan is not None and plan.compile_optimizers
     groups = [
-        dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=args.head_betas),
-        dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"], betas=args.head_betas),
-        dict(params=[t.weight for t in [*model.value_embeds, *([model.bigram_embed] if model.bigram_embed else [])]],
-             lr=args.value_embed_lr, wd_mul=ADAM_WD_MULS["value_embeds"], betas=args.value_embed_betas),
-        dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=args.gate_betas),
-        dict(params=[g.weight for g in (model.smear_gate,) if g is not None], lr=args.smear_gate_lr, wd_mul=0.0,
-             betas=args.gate_betas),
-        dict(params=[g.weight for g in (model.skip_gate,) if g is not None], lr=args.skip_gate_lr, wd_mul=0.0,
-             betas=args.gate_betas),
-        dict(params=[model.x0_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=args.x0_betas),
-        dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=args.gate_betas),
+        dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=ADAM_BETAS["head"]),
+        dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"], betas=ADAM_BETAS["head"]),
+        dict(params=[t.weight for t in [*model.value_embeds, model.bigram_embed]], lr=args.value_embed_lr,
+             wd_mul=ADAM_WD_MULS["value_embeds"], betas=ADAM_BETAS["value_embeds"]),
+        dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
+        dict(params=[model.smear_gate.weight], lr=args.smear_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
+        dict(params=[model.skip_gate.weight], lr=args.skip_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
+        dict(params=[model.x0_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["x0"]),
+        dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
     ]
-    adam = Adam([group for group in groups if group["params"]], eps=args.adam_eps, weight_decay=args.adam_cautious_wd,
-                compiled=compiled)
-    muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start, method=args.orthogonalizer,
+    adam = Adam(groups, eps=args.adam_eps, weight_decay=ADAM_CAUTIOUS_WD, compiled=compiled)
+    muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start,
                 dtype=DTYPES[plan.dtype if plan else args.dtype], rank=rank, world_size=world_size,
                 neuron_beta2=args.muon_neuron_beta2, weight_decay=args.muon_cautious_wd,
-                lr_mul={block.mlp.c_proj: args.mlp_down_lr_mul for block in model.blocks},
+                lr_mul={block.mlp.c_proj: MLP_DOWN_LR_MUL for block in model.blocks},
                 add_apart=[p for block in model.blocks for p in block.mlp.parameters()], compiled=compiled)
     assigned = [p for optimizer in (adam, muon) for group in optimizer.param_groups for p in group["params"]]
     if sorted(map(id, assigned)) != sorted(map(id, model.parameters())):
@@ -1921,17 +1778,24 @@ def seq_len_at(step: int, args: Hyperparameters) -> int:
     return stage_at(step, args.seq_len, args)
 
 
+LR_STAGE_PEAKS = (1.0, 1.52, 1.73)  # the lr multiplier before the cooldown in each third of the scheduled steps
+# (records from 2025-11-29)
+MTP_WEIGHTS = (1.0, 0.5, 0.25)  # multi-token prediction's weights of the next 1, 2, 3 tokens (records from 2025-12-22)
+UNTIE_EMBED_FRAC = 2 / 3  # the embedding is tied to the lm_head until Adam's first step from this fraction of the
+# scheduled steps (records from 2025-12-22)
+
+
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """The stage's peak (lr_stage_peaks, each from the step after its part begins: the record's test is strict), then
+    """The stage's peak (LR_STAGE_PEAKS, each from the step after its part begins: the record's test is strict), then
     in the cooldown linear from it toward 0.1 at the end of the scheduled steps; 0.1 through the extension."""
     scheduled = args.num_iterations - args.extension_steps
     if step >= scheduled:  # the record's formula gives 0.1 at the last scheduled step too
         return 0.1
-    progress, stages = step / scheduled, len(args.lr_stage_peaks)
-    peak = args.lr_stage_peaks[0]
+    progress, stages = step / scheduled, len(LR_STAGE_PEAKS)
+    peak = LR_STAGE_PEAKS[0]
     for k in range(1, stages):
         if progress > k / stages:
-            peak = args.lr_stage_peaks[k]
+            peak = LR_STAGE_PEAKS[k]
     if progress < 1 - args.cooldown_frac:
         return peak
     w = (1 - progress) / args.cooldown_frac
@@ -1952,9 +1816,9 @@ def long_window_at(step: int, args: Hyperparameters) -> int | None:
     return (args.final_long_window or None) if step == args.num_iterations else None
 
 
-def adam_steps_at(step: int, args: Hyperparameters) -> bool:
-    """Whether Adam steps at step: the last of every adam_every steps, on their summed gradients."""
-    return (step + 1) % args.adam_every == 0
+def adam_steps_at(step: int) -> bool:
+    """Whether Adam steps at step: the last of every ADAM_EVERY steps, on their summed gradients."""
+    return (step + 1) % ADAM_EVERY == 0
 
 
 def move_window(model: GPT, window: int, step: int, args: Hyperparameters) -> int:
@@ -1988,32 +1852,29 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 
 def mtp_weights_at(step: int, args: Hyperparameters) -> tuple[float, ...]:
-    """Multi-token prediction's weights at step: in part k of len(mtp_weights) equal parts of the scheduled steps, the
+    """Multi-token prediction's weights at step: in part k of len(MTP_WEIGHTS) equal parts of the scheduled steps, the
     first len - k of them, the last of several fading linearly to 0 over the part (the records' from 2025-12-22, with
     their tests); the next token's alone in the last part and the extension."""
-    n, progress = len(args.mtp_weights), step / (args.num_iterations - args.extension_steps)
+    n, progress = len(MTP_WEIGHTS), step / (args.num_iterations - args.extension_steps)
     part = sum(progress >= k / n for k in range(1, n))
-    weights = list(args.mtp_weights[:n - part])
+    weights = list(MTP_WEIGHTS[:n - part])
     if len(weights) > 1:
         weights[-1] = weights[-1] * (1 - (n * progress - part))
     return tuple(weights)
 
 
-def untie_step(args: Hyperparameters) -> int | None:
-    """The step after whose update the input embedding becomes a copy of the lm_head: Adam's first step from
-    untie_embed_frac of the scheduled steps on (the record's ceil(2/3 N) | 1); None: never tied."""
-    if not args.untie_embed_frac:
-        return None
-    step = math.ceil(args.untie_embed_frac * (args.num_iterations - args.extension_steps))
-    while not adam_steps_at(step, args):
+def untie_step(args: Hyperparameters) -> int:
+    """The step after whose update the input embedding stops being a copy of the lm_head: Adam's first step from
+    UNTIE_EMBED_FRAC of the scheduled steps on (the record's ceil(2/3 N) | 1); past the last step in runs too short."""
+    step = math.ceil(UNTIE_EMBED_FRAC * (args.num_iterations - args.extension_steps))
+    while not adam_steps_at(step):
         step += 1
     return step
 
 
 def embed_tied_at(step: int, args: Hyperparameters) -> bool:
     """Whether step's input embedding is the lm_head's copy, its gradient added to the lm_head's (Trainer.tie_embedding)."""
-    untie = untie_step(args)
-    return untie is not None and step <= untie
+    return step <= untie_step(args)
 
 
 def training_shapes(args: Hyperparameters) -> dict[tuple, int]:
@@ -2054,11 +1915,10 @@ class Trainer:
             adam_params = [p for group in self.adam.param_groups for p in group["params"]]
             self.buckets = GradientBuckets(list(reversed(list(self.model.parameters()))), int(args.bucket_mb * 1e6),
                                            world_size, torch.float64 if args.exact_grad_sum else None,
-                                           deferred=adam_params if args.adam_every > 1 else (),
-                                           alone=[self.model.embed.weight] if untie_step(args) is not None else ())
+                                           deferred=adam_params, alone=[self.model.embed.weight])
         self.grad_accum_steps = args.batch_slots // world_size
-        # AOTAutograd's cache skips graphs with an autograd.Function unless allowed; ChunkedSoftcapLoss
-        # keeps no state outside its saved tensors, so its cached graphs are safe to reuse.
+        # AOTAutograd's cache skips graphs with an autograd.Function unless allowed; SoftcappedLoss
+        # keeps no state outside its saved tensors and ctx constants, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         self.compiled = torch.compile(self.model, dynamic=False) if plan.compile else self.model
         torch._dynamo.config.recompile_limit = max(
@@ -2089,9 +1949,9 @@ class Trainer:
             self.buckets.fold = (self.model.embed.weight, self.model.lm_head.weight) if tied else None
 
     def train_step(self, step: int, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """One optimizer step (Adam's only every adam_every steps, on their summed gradients); returns the mean training
+        """One optimizer step (Adam's only every ADAM_EVERY steps, on their summed gradients); returns the mean training
         loss per token as a device tensor (no sync)."""
-        adam_steps = adam_steps_at(step, self.args)
+        adam_steps = adam_steps_at(step)
         self.tie_embedding(embed_tied_at(step, self.args))
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
@@ -2250,7 +2110,7 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             save(step + 1, periodic=True)
             t0 = time.perf_counter()
         signum = stop.agreed()
-        if signum and adam_steps_at(step, args):  # else Adam's summed gradients would be lost: the next step
+        if signum and adam_steps_at(step):  # else Adam's summed gradients would be lost: the next step
             pause_clock()
             raise support.stopped_after(signum, step + 1, save, checkpoints, run_id, argv, world_size, log)
     if args.save_checkpoint:

@@ -27,9 +27,10 @@ LAUNCH_LINE = re.compile(r"^checkpoints: (.+), held by this launch \((\w+)\) whi
 
 
 def owned_run(tmp_path, tiny_shards, seed: int, iterations: int, logs: str) -> list[str]:
-    """A run of run_id 'shared' in the one checkpoint folder tmp/ck, saving at every step, logging to logs."""
+    """A run of run_id 'shared' in the one checkpoint folder tmp/ck, saving after every Adam step (every second),
+    logging to logs."""
     return [sys.executable, TRAIN_GPT, *TINY_RUN, *tiny_shards, f"--seed={seed}", f"--num_iterations={iterations}",
-            "--checkpoint_every=1", "--save_checkpoint", "--run_id=shared", f"--checkpoint_dir={tmp_path / 'ck'}",
+            "--checkpoint_every=2", "--save_checkpoint", "--run_id=shared", f"--checkpoint_dir={tmp_path / 'ck'}",
             f"--log_dir={tmp_path / logs}", "--val_loss_every=0"]
 
 
@@ -65,7 +66,7 @@ def test_two_runs_started_at_once_on_one_folder_never_mix_their_checkpoints(tiny
     assert not (tmp_path / "logs2").exists()
     launch = LAUNCH_LINE.search((tmp_path / f"logs{winner}" / "shared.txt").read_text())[2]
     saved = sorted((tmp_path / "ck" / "shared").glob("step_*.pt"))
-    assert [p.name for p in saved] == [f"step_{step:06d}.pt" for step in range(1, 25)]
+    assert [p.name for p in saved] == [f"step_{step:06d}.pt" for step in range(2, 25, 2)]
     for path in saved:
         state = run_support.read_checkpoint(path)
         assert state["identity"]["launch"] == launch and state["hyperparameters"]["seed"] == winner
@@ -78,17 +79,17 @@ def test_a_new_run_refuses_a_folder_of_checkpoints_that_a_resumed_run_continues(
     """After the first run has ended: a new run of its run_id (another log folder) would overwrite its checkpoints and
     is refused, naming the earlier run's log, before its own log exists; a run resuming from one of them continues in
     the folder (to the same model, sealed anew)."""
-    first = train_gpt.main(owned_run(tmp_path, tiny_shards, 0, 2, "logs0")[2:])
+    first = train_gpt.main(owned_run(tmp_path, tiny_shards, 0, 4, "logs0")[2:])
     folder = tmp_path / "ck" / "shared"
     before = {p.name: p.read_bytes() for p in folder.glob("step_*.pt")}
     with pytest.raises(run_support.ConfigError, match=re.escape(
-            f"{folder}: holds checkpoints of an earlier run of run_id 'shared' (step_000002.pt the last; its log: "
+            f"{folder}: holds checkpoints of an earlier run of run_id 'shared' (step_000004.pt the last; its log: "
             f"{first['log_path']}), which this run would overwrite")):
-        train_gpt.main(owned_run(tmp_path, tiny_shards, 1, 2, "logs1")[2:])
+        train_gpt.main(owned_run(tmp_path, tiny_shards, 1, 4, "logs1")[2:])
     assert {p.name: p.read_bytes() for p in folder.glob("step_*.pt")} == before and not (tmp_path / "logs1").exists()
-    resumed = train_gpt.main([*owned_run(tmp_path, tiny_shards, 0, 2, "logs0")[2:], f"--resume={folder / 'step_000001.pt'}"])
-    again, first_end = (torch.load(folder / "step_000002.pt", weights_only=True),
-                        torch.load(io.BytesIO(before["step_000002.pt"]), weights_only=True))
+    resumed = train_gpt.main([*owned_run(tmp_path, tiny_shards, 0, 4, "logs0")[2:], f"--resume={folder / 'step_000002.pt'}"])
+    again, first_end = (torch.load(folder / "step_000004.pt", weights_only=True),
+                        torch.load(io.BytesIO(before["step_000004.pt"]), weights_only=True))
     assert again["identity"]["log"] == str(resumed["log_path"]) == str(tmp_path / "logs0" / "shared.resume1.txt")
     assert all(torch.equal(again["model"][name], first_end["model"][name]) for name in first_end["model"])
 

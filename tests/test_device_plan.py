@@ -19,30 +19,29 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
     args = train_gpt.Hyperparameters(**train_gpt.PRESETS["cpu"])
     plan = train_gpt.plan_device(args, CPU)
-    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile_optimizers, plan.pinned_memory) == ("sdpa", False, 0, False, False)
+    assert (plan.attention, plan.fp8, plan.compile_optimizers, plan.pinned_memory) == ("sdpa", False, False, False)
     assert plan.deterministic and plan.compile == train_gpt.cpp_compiler_found()
     assert plan.dtype == train_gpt.auto_dtype(CPU)[0]
     assert "fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
-    assert "training loss: all positions at once" in plan.lines
     model = train_gpt.build_model(args, 1024, plan)  # args.dtype is still auto: the plan's dtype is the one used
-    assert model.attention_backend == "sdpa" and model.loss_chunk == 0 and model.lm_head.fp8_scales is None
-    assert model.embed.weight.dtype == model.value_embeds[0].weight.dtype == train_gpt.DTYPES[plan.dtype]
+    assert model.attention_backend == "sdpa" and model.lm_head.fp8_scales is None
+    run_dtype = train_gpt.DTYPES[plan.dtype]
+    assert model.embed.weight.dtype == model.value_embeds[0].weight.dtype == model.rotary.cos.dtype == run_dtype
+    assert model.config == train_gpt.gpt_config(args, 1024, plan) and model.config.dtype == run_dtype
 
 
 def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
-    """With FP8 available, the record preset gets FlexAttention, the FP8 lm_head (so the whole-sequence loss,
-    whatever loss_chunk says), compiled optimizers, pinned memory and the record's kernels; the model built
-    from the plan holds each choice."""
+    """With FP8 available, the record preset gets FlexAttention, the FP8 lm_head, compiled optimizers, pinned memory
+    and the record's kernels; the model built from the plan holds each choice."""
     monkeypatch.setattr(train_gpt, "fp8_supported", lambda device: (True, "compute capability 9.0"))
-    args = dataclasses.replace(train_gpt.Hyperparameters(), loss_chunk=1024)
+    args = train_gpt.Hyperparameters()
     plan = train_gpt.plan_device(args, CUDA, "PYTORCH_ALLOC_CONF=expandable_segments:True")
-    assert (plan.attention, plan.fp8, plan.loss_chunk, plan.compile, plan.compile_optimizers) == ("flex", True, 0, True, True)
+    assert (plan.attention, plan.fp8, plan.compile, plan.compile_optimizers) == ("flex", True, True, True)
     assert plan.dtype == "bfloat16" and plan.pinned_memory and not plan.deterministic
     for line in ("attention: FlexAttention with block-sparse masks, compiled with the model",
-                 "fp8 lm_head: on (compute capability 9.0), gradient scale record",
-                 "training loss: all positions at once (loss_chunk is unused with the fp8 lm_head)",
+                 "fp8 lm_head: on (compute capability 9.0)",
                  "deterministic algorithms: off (CUDA: the record's kernels)",
-                 "optimizers: Muon with polar_express; both compiled",
+                 "optimizers: Muon (Polar Express) and Adam, compiled",
                  "dtype: bfloat16", "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True"):
         assert line in plan.lines, line
     eager = train_gpt.plan_device(dataclasses.replace(args, compile=False), CUDA, "x")
@@ -51,8 +50,7 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
             "the rest eager)") in eager.lines
     small = dataclasses.replace(args, model_dim=64, num_heads=2, head_dim=32, vocab_size=1000)
     model = train_gpt.build_model(small, 256, plan)  # built on the CPU, as the Trainer builds it before moving it
-    assert model.attention_backend == "flex" and model.loss_chunk == 0
-    assert model.lm_head.fp8_scales == train_gpt.lm_head_fp8_scales("record")
+    assert model.attention_backend == "flex" and model.lm_head.fp8_scales == train_gpt.LM_HEAD_FP8_SCALES
     assert model.embed.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16  # the record's bf16 head
     assert {p.dtype for block in model.blocks for p in block.mlp.parameters()} == {torch.bfloat16}  # and matrices
     adam, muon = train_gpt.build_optimizers(model, small, plan=plan)
@@ -60,7 +58,7 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     assert adam.update is train_gpt.compiled_on_first_use(train_gpt.adam_update)
     assert muon.dtype == torch.bfloat16
     without_fp8 = train_gpt.plan_device(dataclasses.replace(args, fp8=False), CUDA, "x")
-    assert not without_fp8.fp8 and without_fp8.loss_chunk == 1024 and "fp8 lm_head: off (--fp8=false)" in without_fp8.lines
+    assert not without_fp8.fp8 and "fp8 lm_head: off (--fp8=false)" in without_fp8.lines
 
 
 def test_compile_without_a_cpp_compiler_runs_eager_and_says_why():
@@ -117,17 +115,15 @@ def test_the_run_logs_the_dtype_it_resolved(tiny_shards, tmp_path):
     assert f"\n  dtype: '{dtype}'\n" in text and f"\n  dtype: {dtype} (auto: {why})\n" in text
 
 
-@pytest.mark.parametrize("name, value", [("dtype", "fp16"), ("orthogonalizer", "svd"), ("value_embed_layout", "v"),
-                                         ("fp8_grad_scale", "max")])
+@pytest.mark.parametrize("name, value", [("dtype", "fp16")])
 def test_each_choice_is_checked_in_one_place_naming_the_valid_values(name, value):
     args, _ = train_gpt.parse_args([f"--{name}={value}"], "cpu")
     valid = train_gpt.CHOICES[name]
     with pytest.raises(train_gpt.ConfigError) as error:
         train_gpt.check_hyperparameters(args, 1)
     assert str(error.value) == f"{name}={value!r}; choose one of {', '.join(valid)}"
-    one_prediction = dict(mtp_weights=(1.0,)) if name == "fp8_grad_scale" else {}  # e5m2_bound bounds one's gradient
     for good in valid:  # and every listed value passes
-        train_gpt.check_hyperparameters(dataclasses.replace(args, **{name: good}, **one_prediction), 1)
+        train_gpt.check_hyperparameters(dataclasses.replace(args, **{name: good}), 1)
 
 
 def test_cuda_setup_runs_the_records_start_up_backward(monkeypatch):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_RUN, TINY_VOCAB
+from conftest import ROOT, TINY_FORMS, TINY_RUN, TINY_VOCAB
 
 import train_gpt
 
@@ -150,11 +150,10 @@ def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
 def test_processes_with_accumulation_train_like_one(nproc, batch_slots, tiny_shards, tmp_path):
     """2 ranks x 4 micro-steps and 4 ranks x 1 against one process accumulating 8 or 4 micro-steps, with the records'
     pieces: multi-token prediction, the embedding tied until step 3 (its gradient folded into the lm_head's in the
-    buckets until then), Adam every other step with cautious decay, the gates, the bigram hash embedding (each
-    rank's sequences hashed where they are). The sums run in other orders, which exact_grad_sum makes irrelevant."""
-    pieces = ["--mtp_weights=1,0.5", "--untie_embed_frac=0.5", "--loss_chunk=0", "--adam_every=2", "--head_init_std=0.005",
-              "--adam_cautious_wd=0.005", "--value_embed_gates=true", "--skip_input_gate=true", "--logit_cap=23",
-              "--logit_offset=5"]
+    buckets until then; 3 of the 6 steps are the extension), Adam every other step with cautious decay, the gates, the
+    bigram hash embedding (each rank's sequences hashed where they are), the record's softcap. The sums run in other
+    orders, which exact_grad_sum makes irrelevant."""
+    pieces = ["--extension_steps=3", "--logit_cap=23", "--logit_offset=5"]
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
                  train_args(tmp_path / "one", batch_slots, *tiny_shards, *pieces, iterations=6))
     assert "gradient sum: float64 over micro-steps and ranks" in one.log
@@ -175,7 +174,9 @@ def test_without_gradient_sync_the_comparison_fails(one_process, tiny_shards, tm
 
 
 def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards, tmp_path):
-    """4 slots on 2 ranks: 2 micro-steps per step. Small buckets, several holding more than one tensor."""
+    """4 slots on 2 ranks: 2 micro-steps per step. Small buckets, several holding more than one tensor. Adam's buckets
+    (deferred) are reduced on its steps alone, the odd ones; the embedding's own bucket never, as it is tied all run
+    (its gradient joins the lm_head's)."""
     out = tmp_path / "events"
     run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 4, *tiny_shards, "--bucket_mb=0.2"),
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
@@ -183,56 +184,69 @@ def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards
     assert "batch: 4 sequences x 128 tokens per step = 2 ranks x 2 micro-steps" in log
     num_buckets = int(re.search(r"distributed: world size 2, backend gloo, (\d+) gradient buckets of \[", log)[1])
     assert num_buckets >= 3
-    # the counters the run logs
-    counted = re.search(r"gradient buckets: (\d+), all-reduces per bucket \[([\d, ]+)\] over (\d+) synchronized steps", log)
-    assert int(counted[1]) == num_buckets
-    assert [int(n) for n in counted[2].split(",")] == [ITERATIONS] * num_buckets
-    assert int(counted[3]) == ITERATIONS
     # every launch, as each rank saw it
     lm_head = [train_gpt.next_multiple(TINY_VOCAB, 128), 64]
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
-        assert len(record["bucket_shapes"]) == num_buckets
+        deferred = record["deferred"]
+        [embed] = [b for b, shapes in enumerate(record["bucket_shapes"]) if b and shapes == [lm_head]]
+        assert train_gpt.untie_step(train_gpt.parse_args([f"--num_iterations={ITERATIONS}", *TINY_FORMS], "cpu")[0]) == 7
+        expected = [0 if b == embed else ITERATIONS // 2 if adam else ITERATIONS for b, adam in enumerate(deferred)]
+        assert len(record["bucket_shapes"]) == num_buckets and any(deferred) and not all(deferred)
         assert sum(len(b) > 1 for b in record["bucket_shapes"]) >= 2  # coalesced buckets are exercised
         assert record["bucket_shapes"][0] == [lm_head]  # its gradient is ready first in backward
-        assert record["steps"] == ITERATIONS and record["reductions"] == [ITERATIONS] * num_buckets
+        assert record["steps"] == ITERATIONS and record["reductions"] == expected
         events = record["events"]
         assert all(e["last_micro_step"] and e["micro_step"] == 1 for e in events), events
         for step in range(ITERATIONS):
-            # each bucket once, in the order its gradients become ready
-            assert [e["bucket"] for e in events if e["step"] == step] == list(range(num_buckets))
-        # overlap: the first bucket is on the wire before the last gradient of the backward is ready
-        assert all(e["grads_ready"] < record["num_params"] for e in events if e["bucket"] == 0)
-        # the float64 sums are copied into the gradients' dtype once a step (the counter sees copies)
-        assert record["copied_bytes"] == ITERATIONS * record["grad_bytes"]
+            # each bucket due once, in the order its gradients become ready: the lm_head's, tied, with the embedding's
+            due = [b for b in range(num_buckets) if b != embed and (step % 2 or not deferred[b])]
+            launched = [e for e in events if e["step"] == step]
+            assert [e["bucket"] for e in launched] == sorted(due, key=lambda b: embed if b == 0 else b)
+            # overlap: the first is on the wire before the last gradient of the backward is ready
+            assert launched[0]["grads_ready"] < record["num_params"]
+        # the float64 sums are copied into the gradients' dtype (float32) once a reduction (the counter sees copies)
+        numels = [sum(math.prod(s) for s in shapes) for shapes in record["bucket_shapes"]]
+        assert record["grad_bytes"] == 4 * sum(numels)
+        assert record["copied_bytes"] == 4 * sum(n * times for n, times in zip(numels, expected))
+    # the counters the run logs
+    counted = re.search(r"gradient buckets: (\d+), all-reduces per bucket \[([\d, ]+)\] over (\d+) synchronized steps", log)
+    assert int(counted[1]) == num_buckets
+    assert [int(n) for n in counted[2].split(",")] == expected
+    assert int(counted[3]) == ITERATIONS
 
 
 def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_shards, tmp_path):
-    """adam_every=2 (the records from 2025-09-30): Adam steps on the odd steps, on two steps' summed gradients. On 2
+    """ADAM_EVERY = 2 (the records from 2025-09-30): Adam steps on the odd steps, on two steps' summed gradients. On 2
     ranks x 2 micro-steps, Muon's buckets are reduced on every step and Adam's (the lm_head, the embeddings, the
     scalars; no bucket mixes the two) on the odd steps' last micro-step alone, once: the bytes on the wire say so. Muon
     all-gathers its updates a round at a time, the same on every step. The run equals one process's."""
-    extra = ["--adam_every=2", "--bucket_mb=0.2"]
+    extra = ["--bucket_mb=0.2"]
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, *extra))
     out = tmp_path / "events"
     two = launch(tmp_path / "two", torchrun(2), HELPERS, train_args(tmp_path / "two", 4, *tiny_shards, *extra),
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
     assert_runs_agree(one, two)
-    padded = train_gpt.next_multiple(TINY_VOCAB, 128)  # the lm_head, the embeddings, the bigram table, the smear gate;
-    adam_shapes = {(padded, 64), (train_gpt.BIGRAM_ROWS_PER_TOKEN * padded, 64), (1, 12)}  # scalars are 1-D
+    padded = train_gpt.next_multiple(TINY_VOCAB, 128)  # the lm_head, the embeddings, the bigram table, the gates (one
+    adam_shapes = {(padded, 64), (train_gpt.BIGRAM_ROWS_PER_TOKEN * padded, 64), (1, 12)}  # head); scalars are 1-D
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
         is_adam = [all(len(s) == 1 or tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]
         assert record["deferred"] == is_adam and any(is_adam) and not all(is_adam)
         assert all(is_adam[b] or not any(len(s) == 1 or tuple(s) in adam_shapes for s in shapes)
                    for b, shapes in enumerate(record["bucket_shapes"]))  # no bucket mixes Adam's and Muon's
-        assert record["reductions"] == [ITERATIONS // 2 if adam else ITERATIONS for adam in is_adam]
+        # the embedding's own bucket: never, tied all run (its gradient joins the lm_head's)
+        [embed] = [b for b, shapes in enumerate(record["bucket_shapes"]) if b and shapes == [[padded, 64]]]
+        assert record["reductions"] == [0 if b == embed else ITERATIONS // 2 if adam else ITERATIONS
+                                        for b, adam in enumerate(is_adam)]
         bucket_bytes = [8 * sum(math.prod(s) for s in shapes) for shapes in record["bucket_shapes"]]  # float64 sums
         for step in range(ITERATIONS):
             launched = [e["bucket"] for e in record["events"] if e["step"] == step]
-            assert launched == [b for b, adam in enumerate(is_adam) if step % 2 or not adam], step
+            due = [b for b, adam in enumerate(is_adam) if b != embed and (step % 2 or not adam)]
+            assert sorted(launched) == due, step  # each once (the order: the test above)
             wire = sum(bucket_bytes[b] for b in launched)
-            assert wire == sum(bucket_bytes) if step % 2 else wire == sum(n for n, a in zip(bucket_bytes, is_adam) if not a)
+            assert wire == sum(bucket_bytes) - bucket_bytes[embed] if step % 2 else wire == sum(
+                n for n, a in zip(bucket_bytes, is_adam) if not a)
         assert all(e["last_micro_step"] for e in record["events"])
         # Muon's updates travel stacked: one all-gather a round, each rank's matrix in a slot of the round's largest size
         muon = record["muon"]
@@ -252,7 +266,9 @@ def test_buckets_copy_no_gradient_bytes(tiny_shards, tmp_path):
     """Without the float64 sums, gradients are views of their bucket's buffer: backward adds into it and
     the all-reduce averages it in place, so the hooks and the wait copy nothing, in a 2-process step
     with several buckets of several tensors; and every step's gradient is, to the bit, the float32
-    sum those views make: each rank's two backward gradients added, then the two ranks' sums averaged."""
+    sum those views make: each rank's two backward gradients added, then the two ranks' sums averaged. Adam's
+    (deferred) gradients add up over two steps, each rank's own on the even ones, averaged on the odd; the tied pair,
+    the lm_head and the embedding, is left to the runs above (the embedding's joins the lm_head's)."""
     out = tmp_path / "events"
     args = train_args(tmp_path, 4, *tiny_shards, "--bucket_mb=0.2", "--exact_grad_sum=false", iterations=4)
     launch(tmp_path, torchrun(2), HELPERS, args, mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
@@ -261,11 +277,23 @@ def test_buckets_copy_no_gradient_bytes(tiny_shards, tmp_path):
         assert sum(len(b) > 1 for b in record["bucket_shapes"]) >= 2 and record["steps"] == 4
         assert record["copied_bytes"] == 0
     grads = [torch.load(out / f"rank{rank}_grads.pt", weights_only=True) for rank in (0, 1)]
+    shapes = [s for bucket in record["bucket_shapes"] for s in bucket]  # by parameter, in the order they are ready
+    deferred = [adam for adam, bucket in zip(record["deferred"], record["bucket_shapes"]) for _ in bucket]
+    tied = [i for i, s in enumerate(shapes) if s == shapes[0]]  # the lm_head, ready first, and the embedding
+    assert len(tied) == 2 and any(deferred) and not all(deferred)
     orders_differ = False
     for step in range(4):
         for i in range(len(grads[0]["reduced"][step])):
             (a0, a1), (b0, b1) = (g["backward"][step][i] for g in grads)
             rank_sums = a0 + a1, b0 + b1  # float32 additions, in the order backward adds into the view
+            if deferred[i]:
+                if i in tied:
+                    continue
+                if step % 2 == 0:  # not reduced: each rank's own sum, which the next step adds to
+                    assert all(torch.equal(g["reduced"][step][i], s) for g, s in zip(grads, rank_sums)), (step, i)
+                    continue
+                rank_sums = tuple((g["reduced"][step - 1][i] + x) + y for g, (x, y) in zip(
+                    grads, ((a0, a1), (b0, b1))))
             # halving a float32 at least twice the smallest normal is exact: sum-then-halve and halve-then-sum agree
             assert not any(x.abs().lt(2 * torch.finfo(x.dtype).tiny).logical_and(x != 0).any() for x in rank_sums)
             expected = (rank_sums[0] + rank_sums[1]) / 2
@@ -285,7 +313,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
     assert "distributed: world size 2, backend gloo" in two.log
     halfway = tmp_path / "two" / "ckpt" / "run" / "step_000004.pt"
     momentum = torch.load(halfway, map_location="cpu", weights_only=True)["optimizers"][1]["state"]
-    muon_params = [n for n, p in one_process.params().items() if p.ndim >= 2 and n.startswith("blocks.")]
+    muon_params = [n for n, p in one_process.params().items() if p.ndim >= 2 and n.startswith("blocks.") and "gate" not in n]
     assert len(momentum) == len(muon_params)
     resumed = launch(tmp_path / "one", [sys.executable], TRAIN_GPT,
                      train_args(tmp_path / "one", 2, *tiny_shards, f"--resume={halfway}"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import shards  # data/shards.py, on sys.path through conftest
-from conftest import EARLIER_CPU_FORMS, TINY_VOCAB
+from conftest import TINY_FORMS, TINY_VOCAB
 
 import train_gpt
 
@@ -37,7 +37,7 @@ records = _load_tool()
 TINY_ANY_SOURCE = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
                    "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--val_loss_every=1",
                    f"--vocab_size={TINY_VOCAB}", "--compile=false"]  # compiling would cost most of each tiny run
-TINY = [*TINY_ANY_SOURCE, *EARLIER_CPU_FORMS]  # the forms the tests were written against (conftest.py)
+TINY = [*TINY_ANY_SOURCE, *TINY_FORMS]  # the forms the tests were written against (conftest.py)
 EDIT_SUFFIX = "  (edited by tests/test_records.py)"
 
 
@@ -334,8 +334,9 @@ def test_stats_notes_a_run_that_diverged(runs, tmp_path, capsys):
     assert records.main(["stats", str(base), str(diverged), str(no_step_0), str(unjudged), "--target", "6"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()
     notes = [row[header.index("note"):] for row in rows[:4]]
-    assert notes == ["", "diverged: final val loss 7.5000 is above step 0's 6.9315",
-                     "diverged: final val loss 6.9400 is above ln(1024) = 6.9315, where every run starts", ""]
+    step_0 = re.search(r"^step:0/\d+ val_loss:(\S+) ", base.read_text(), re.MULTILINE)[1]
+    assert notes == ["", f"diverged: final val loss 7.5000 is above step 0's {step_0}",
+                     "diverged: final val loss 6.9400 is above ln(1024) = 6.9315, the loss of uniform predictions", ""]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -706,6 +707,11 @@ def _without_validation_lines(text: str) -> str:
                                          if not (line.startswith("step:") and " val_loss:" in line))
 
 
+def _with_step_0_val_loss(text: str, value: str) -> str:
+    source, body = text.split(SEP + "\n", 1)
+    return source + SEP + "\n" + re.sub(r"^(step:0/\d+ val_loss:)\S+", rf"\g<1>{value}", body, count=1, flags=re.M)
+
+
 def _without_step_0(text: str) -> str:
     source, body = text.split(SEP + "\n", 1)
     return source + SEP + "\n" + re.sub(r"^step:0/\d+ val_loss:.*\n", "", body, count=1, flags=re.M)
@@ -732,12 +738,13 @@ SUBMIT_LOG_REFUSALS = {
                          "error: {0}: the final val loss is nan"),
     "resumed": (lambda base, d: [base, _edit(base, d, _resumed)],
                 "error: {1}: a resumed run; its train_time does not cover the whole run"),
-    # the base run validates step 0 at ln(1024), its untrained loss; without that line its logged vocab_size counts
-    "diverged": (lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(t, "6.9316"))],
-                 "error: {0}: the run diverged: final val loss 6.9316 is above step 0's 6.9315"),
+    # the base run validates step 0; without that line its logged vocab_size counts: ln(1024), uniform predictions'
+    "diverged": (lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(_with_step_0_val_loss(t, "6.9000"),
+                                                                                "6.9001"))],
+                 "error: {0}: the run diverged: final val loss 6.9001 is above step 0's 6.9000"),
     "diverged, no step-0 line": (
         lambda base, d: [_edit(base, d, lambda t: _with_final_val_loss(_without_step_0(t), "6.9316"))],
-        "error: {0}: the run diverged: final val loss 6.9316 is above ln(1024) = 6.9315, where every run starts"),
+        "error: {0}: the run diverged: final val loss 6.9316 is above ln(1024) = 6.9315, the loss of uniform predictions"),
 }
 
 

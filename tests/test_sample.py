@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EARLIER_CPU_FORMS, ROOT
+from conftest import TINY_FORMS, ROOT
 from test_model import randomize_, records_structure_gpt, summed_loss
 
 import run_support
@@ -60,13 +60,16 @@ def cycle_shards(folder):
 
 
 # The record's embedding and scalar lrs, and a head lr giving the logits the steps that 0.22 gave them when
-# the head divided by sqrt(width) (64 here): the cpu preset's lrs learn this toy cycle too slowly in 6 steps.
+# the head divided by sqrt(width) (64 here): the cpu preset's lrs learn this toy cycle too slowly in a few steps.
 FAST_ADAM_LRS = ["--head_lr=0.0275", "--embed_lr=0.6", "--scalar_lr=0.04"]
+
+
+CYCLE_STEPS = 24  # Adam steps every second one, and the tied embedding follows the lm_head until 2/3 in
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained 6 steps, with
+    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained CYCLE_STEPS steps, with
     FAST_ADAM_LRS and windows of 2 blocks (long) and 1 (short), validated at the end with 3 and 1 (its
     rotary rescaled from 2 to 3); returns (checkpoint path, successor table, the run's result)."""
     folder = tmp_path_factory.mktemp("cycle")
@@ -74,14 +77,14 @@ def trained(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     result = train_gpt.main([
-        "--preset=cpu", *EARLIER_CPU_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
-        "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--num_iterations=6",
+        "--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+        "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", f"--num_iterations={CYCLE_STEPS}",
         "--window_stages=2", "--final_window=3", "--window_unit=128", "--yarn=true", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
         f"--train_files={folder}/cycle_train_*.bin",
         f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
         "--run_id=cycle"])
     torch.set_num_threads(threads)
-    assert result["val_losses"][6] < 2.5  # learned the cycle (uniform over 64 tokens would be 4.16)
+    assert result["val_losses"][CYCLE_STEPS] < 2.5  # learned the cycle (uniform over 64 tokens would be 4.16)
     return result["checkpoints"][-1], successor, result
 
 
@@ -102,13 +105,28 @@ def test_loaded_rotary_follows_the_checkpoints_yarn(trained, tmp_path):
         assert window == 3 and torch.equal(model.rotary.freqs, expected), yarn
 
 
+def test_a_checkpoint_holding_a_setting_since_removed_is_refused_naming_it(trained, tmp_path, capsys):
+    """A checkpoint of an earlier train_gpt.py may hold a form that is now fixed otherwise (the key offset off, say,
+    which changes no weight's shape): load_model refuses it in one line naming the setting, and sample.py exits 2."""
+    state = torch.load(trained[0], weights_only=True)
+    state["hyperparameters"].update(key_offset=False, smear=False)
+    path = tmp_path / "earlier.pt"
+    torch.save(run_support.seal(state, "cycle", "edited", None), path)
+    message = (f"{path}: made by an earlier train_gpt.py, with settings since removed (key_offset, smear); load it "
+               f"with the tools of the commit that made it")
+    with pytest.raises(train_gpt.ConfigError) as error:
+        sample.load_model(path, torch.device("cpu"))
+    assert str(error.value) == message
+    assert sample.main([str(path), "--device=cpu"]) == 2 and capsys.readouterr().err.strip() == f"error: {message}"
+
+
 def test_a_final_checkpoint_samples_with_its_last_validations_long_window(trained, tmp_path):
     """final_long_window widens the long layers at a run's last validation: load_model hands it over for the
     checkpoint of the last step, and none for an earlier step's or a run without it."""
     checkpoint = trained[0]
     state = torch.load(checkpoint, weights_only=True)
     assert state["step"] == state["hyperparameters"]["num_iterations"]
-    for final_long_window, step, expected in ((0, 6, None), (4, 6, 4), (4, 5, None)):
+    for final_long_window, step, expected in ((0, CYCLE_STEPS, None), (4, CYCLE_STEPS, 4), (4, CYCLE_STEPS - 1, None)):
         state["hyperparameters"]["final_long_window"], state["step"] = final_long_window, step
         torch.save(run_support.seal(state, "cycle", "edited", None), tmp_path / "edited.pt")
         _, _, long_window = sample.load_model(tmp_path / "edited.pt", torch.device("cpu"), 512, "float32")
@@ -132,12 +150,11 @@ def test_loaded_model_gives_the_runs_final_validation_loss(trained):
     # the training forward's summed loss over the whole logits, whose ops bound the chunked evaluation's too;
     # eval divides it by the positions (one more rounding), validation averages the sequences in float64
     exact_model = copy.deepcopy(model).double().train()
-    exact_model.loss_chunk = 0
     positions, u = val.size(1) - 1, UNIT_ROUNDOFF[torch.float32]
     sums = [first_order_bound(lambda seq=seq: summed_loss(exact_model, seq[:-1].int(), seq[1:], window)) for seq in val]
     exact = sum(value for value, _ in sums) / positions / len(val)
     bound = sum(bound / positions + u * value / positions for value, bound in sums) / len(val)
-    assert abs(result["val_losses"][6] - exact) <= bound
+    assert abs(result["val_losses"][CYCLE_STEPS] - exact) <= bound
     assert abs(loss() - exact) <= bound
     # The target logits at a few positions, each within its own bound; the unscaled rotary tables move some outside.
     seq, picks = val[0], torch.tensor([63, 127, 191, 255])
@@ -201,7 +218,8 @@ def randomized_gpt():
     random ones, so every path, attention included, moves the logits; it knows windows of 1, 2 and 3
     blocks."""
     torch.manual_seed(0)
-    model = train_gpt.GPT(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512, windows=(1, 2, 3))
+    model = train_gpt.GPT(train_gpt.GPTConfig(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512,
+                                              windows=(1, 2, 3)))
     return randomize_(model, seed=0).eval()
 
 
@@ -224,10 +242,10 @@ def test_compiled_generation_gives_the_eager_tokens(randomized_gpt, backend):
 
 
 def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomized_gpt):
-    """sample.in_dtype(bfloat16) against the training layout (bfloat16 embeddings, float32 weights that
-    the forward casts at every call): the same logits to the bit, token after token through the cache."""
+    """sample.in_dtype(bfloat16) against bfloat16 embeddings with float32 weights that the forward casts at every
+    call: the same logits to the bit, token after token through the cache."""
     training_layout = copy.deepcopy(randomized_gpt)
-    for table in [training_layout.embed, *training_layout.value_embeds]:
+    for table in [training_layout.embed, *training_layout.value_embeds, training_layout.bigram_embed]:
         table.to(torch.bfloat16)
     cast_once = sample.in_dtype(copy.deepcopy(randomized_gpt), torch.bfloat16)
     assert cast_once.lm_head.weight.dtype == torch.bfloat16 and cast_once.scalars.dtype == torch.float32

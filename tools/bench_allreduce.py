@@ -3,7 +3,6 @@ backward) versus one all-reduce after backward, on CPU processes with gloo: the 
 
     python tools/bench_allreduce.py                                   # 2 processes, through torchrun
     python tools/bench_allreduce.py --model_dim=384 --num_layers=6 --steps=20 --bucket_mb=5
-    python tools/bench_allreduce.py --bigram                         # with the records' bigram hash table
 
 Each step is forward + backward of train_gpt's GPT on random tokens (no optimizer step), timed from a
 barrier to the moment every rank holds the averaged gradients (the slowest rank counts). Modes run
@@ -40,7 +39,6 @@ def parse(argv):
     p.add_argument("--num_heads", type=int, default=2)
     p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--vocab_size", type=int, default=50257)
-    p.add_argument("--bigram", action="store_true", help="with the bigram hash embedding (5 rows a vocabulary entry, as the records)")
     p.add_argument("--seq_len", type=int, default=512, help="tokens per micro-step (a multiple of 128)")
     p.add_argument("--micro_steps", type=int, default=1, help="backward passes per step; only the last communicates")
     p.add_argument("--bucket_mb", type=float, default=25.0)
@@ -68,8 +66,8 @@ def bench(args):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     window = max(1, args.seq_len // train_gpt.BLOCK_SIZE)  # the whole sequence, in blocks
     torch.manual_seed(0)
-    model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                          args.seq_len, attention_backend="sdpa", windows=(window,), bigram=args.bigram)
+    model = train_gpt.GPT(train_gpt.GPTConfig(args.vocab_size, args.num_layers, args.num_heads, args.head_dim,
+                                              args.model_dim, args.seq_len, windows=(window,)))
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     params = list(model.parameters())

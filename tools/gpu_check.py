@@ -97,7 +97,7 @@ def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: in
     x = train_gpt.norm(torch.randn(tokens, model_dim, device=device, generator=g)).bfloat16()
     w = torch.randn(vocab, model_dim, device=device, generator=g) * 0.02
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=g)
-    scales = train_gpt.lm_head_fp8_scales()
+    scales = train_gpt.LM_HEAD_FP8_SCALES
 
     def loss(z):
         return F.cross_entropy(train_gpt.softcap(z), targets, reduction="sum")

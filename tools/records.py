@@ -15,7 +15,7 @@ environment, the hyperparameters, then speedrun step lines such as
 Only the step-line fields are needed, so logs of other speedrun forks work too. A run's final val
 loss is the val_loss of its last validation line, and its training time that line's train_time. A
 run diverged when that loss is above its step-0 one (without a step-0 line, above ln of its logged
-vocab_size padded as the lm_head is, where every run starts): stats notes it, submit refuses it.
+vocab_size padded as the lm_head is: the loss of uniform predictions): stats notes it, submit refuses it.
 A PATH may also be a record folder (records/<track>/<YYYY-MM-DD>_<Name>/), meaning its *.txt logs,
 or a track folder (records/<track>/), meaning the logs of all its records, oldest first.
 
@@ -241,7 +241,7 @@ def divergence(log: Log) -> str | None:
             return None
         width = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
         start = math.log(width)
-        named = f"ln({width}) = {start:.4f}, where every run starts"
+        named = f"ln({width}) = {start:.4f}, the loss of uniform predictions"
     return f"final val loss {final.loss:.4f} is above {named}" if final.loss > round(start, 4) else None
 
 

@@ -112,10 +112,12 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     path = Path(path)
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
-    args = train_gpt.Hyperparameters(**{k: v for k, v in state["hyperparameters"].items() if k in known})
-    if isinstance(args.seq_len, int) or "paired_head_layers" not in state["hyperparameters"]:
-        raise train_gpt.ConfigError(f"{path}: made by train_gpt.py before the 2026-01-07 record's rotary and layouts; "
-                                    f"load it with the tools of the commit that made it")
+    removed = sorted(set(state["hyperparameters"]) - known)  # what they chose may differ from what is now fixed
+    if removed or isinstance(state["hyperparameters"]["seq_len"], int) or "paired_head_layers" not in state["hyperparameters"]:
+        why = f"with settings since removed ({', '.join(removed)})" if removed else "before the 2026-01-07 record's layouts"
+        raise train_gpt.ConfigError(f"{path}: made by an earlier train_gpt.py, {why}; load it with the tools of the "
+                                    f"commit that made it")
+    args = train_gpt.Hyperparameters(**state["hyperparameters"])
     try:
         train_gpt.check_hyperparameters(args, 1)
         max_seq_len = max(*args.seq_len, args.val_seq_len, train_gpt.next_multiple(min_seq_len, train_gpt.BLOCK_SIZE))
@@ -132,8 +134,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
                                     f"or made by another version of train_gpt.py")
     model.load_state_dict(state["model"])
     run_dtype = train_gpt.DTYPES[dtype or args.dtype]
-    if args.rotary_in_run_dtype:  # the tables in the dtype the model runs in, as training held them
-        model.rotary.to(run_dtype)
+    model.rotary.to(run_dtype)  # the tables in the dtype the model runs in, as training held them
     window = train_gpt.replay_windows(model, state["step"], args)
     long_window = train_gpt.long_window_at(state["step"], args)
     model = in_dtype(model, run_dtype)
