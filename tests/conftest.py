@@ -124,3 +124,64 @@ def tiny_shards(tmp_path_factory):
         shards.write_shard(folder / f"tiny_{name}_000000.bin", tokens)
     return [f"--train_files={folder}/tiny_train_*.bin", f"--val_files={folder}/tiny_val_*.bin"]
 
+
+# --- the cycle model (test_sample.py, test_evaluate.py) -------------------------------------
+EOT = 50256
+CYCLE = 64  # the training data walks a cycle through tokens 0..63
+
+
+def cycle_shards(folder):
+    """Documents that follow one fixed cycle through 64 tokens (10% of tokens random, 1% document
+    starts): a few steps teach it, and greedy generation then walks the cycle, each token depending
+    on the context."""
+    import numpy as np
+    import shards
+
+    rng = np.random.default_rng(0)
+    order = rng.permutation(CYCLE)
+    successor = np.empty(CYCLE, dtype=np.int64)
+    successor[order] = np.roll(order, -1)
+    for name, n in (("train", 10_000), ("val", 1_000)):
+        tokens = np.empty(n, dtype=np.int64)
+        tokens[0] = EOT
+        for i in range(1, n):
+            if rng.random() < 0.01:
+                tokens[i] = EOT
+            elif tokens[i - 1] == EOT or rng.random() < 0.1:
+                tokens[i] = rng.integers(CYCLE)
+            else:
+                tokens[i] = successor[tokens[i - 1]]
+        shards.write_shard(folder / f"cycle_{name}_000000.bin", tokens)
+    return successor
+
+
+# The record's embedding and scalar lrs, and a head lr giving the logits the steps that 0.22 gave them when
+# the head divided by sqrt(width) (64 here): the cpu preset's lrs learn this toy cycle too slowly in a few steps.
+FAST_ADAM_LRS = ["--head_lr=0.0275", "--embed_lr=0.6", "--scalar_lr=0.04"]
+
+
+CYCLE_STEPS = 24  # Adam steps every second one, and the tied embedding follows the lm_head until 2/3 in
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained CYCLE_STEPS steps, with
+    FAST_ADAM_LRS and windows of 2 blocks (long) and 1 (short), validated at the end with 3 and 1 (its
+    rotary rescaled from 2 to 3); returns (checkpoint path, successor table, the run's result). For
+    test_sample.py and test_evaluate.py: one run a session."""
+    import train_gpt
+
+    folder = tmp_path_factory.mktemp("cycle")
+    successor = cycle_shards(folder)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result = train_gpt.main([
+        "--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+        "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", f"--num_iterations={CYCLE_STEPS}",
+        "--window_stages=2", "--final_window=3", "--window_unit=128", "--yarn=true", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
+        f"--train_files={folder}/cycle_train_*.bin",
+        f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
+        "--run_id=cycle"])
+    torch.set_num_threads(threads)
+    assert result["val_losses"][CYCLE_STEPS] < 2.5  # learned the cycle (uniform over 64 tokens would be 4.16)
+    return result["checkpoints"][-1], successor, result

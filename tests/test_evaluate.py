@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import EOT, FAST_ADAM_LRS, ROOT, cycle_shards
 from rounding import assert_within, first_order_bound
 from test_model import randomize_, records_structure_gpt
-from test_sample import (EOT, FAST_ADAM_LRS, cycle_shards, one_thread, randomized_gpt,  # noqa: F401  (fixtures;
-                         randomized_records_structure_gpt, trained)                     # one_thread autouse)
+from test_sample import one_thread, randomized_gpt, randomized_records_structure_gpt  # noqa: F401  (fixtures;
+# one_thread autouse; the cycle model, trained, is conftest's)
 
 STRUCTURES = {"u-net": "randomized_gpt", "records": "randomized_records_structure_gpt"}  # test_sample's models
 
