@@ -371,7 +371,8 @@ class TrainingClock:
 
 
 def describe_run(trainer) -> list[str]:
-    """The model, Muon's rounds, the distribution, batch, windows and gradient sum of a train_gpt Trainer."""
+    """The model, Muon's rounds, the distribution, batch, windows, embedding tie and gradient sum of a train_gpt
+    Trainer."""
     args, model, buckets, world_size = trainer.args, trainer.model, trainer.buckets, trainer.world_size
     lines = [f"model: {sum(p.numel() for p in model.parameters()):,} parameters; value embeddings {model.ve_layout}; "
              f"attention-free layer {next((i for i, block in enumerate(model.blocks) if block.attn is None), None)}; key offset "
@@ -395,6 +396,9 @@ def describe_run(trainer) -> list[str]:
     lines.append(f"windows (units of {args.window_unit} tokens; short layers half): {', '.join(map(str, args.window_stages))} "
                  f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}; "
                  f"rotary {'rescaled (YaRN) at each change' if args.yarn else 'unchanged (yarn=false)'}")
+    untie = trainer.untie_step
+    lines.append(f"embedding: a copy of the lm_head until step {untie}'s update, then trained apart" if untie < args.num_iterations
+                 else f"embedding: a copy of the lm_head all run (it would untie after step {untie})")
     lines.append("gradient sum: float64 over micro-steps and ranks, the same bits at any world size (exact_grad_sum=true)"
                  if args.exact_grad_sum else "gradient sum: in the parameters' dtypes; another world size sums in "
                  "another order (exact_grad_sum=false)")

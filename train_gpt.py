@@ -101,7 +101,7 @@ LM_HEAD_FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)  # the record's (x, w, g
 
 def softcap(z: Tensor, in_z_dtype: bool = False, cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
     """Logits in (0, cap) from the lm_head's output z: in float32, or rounded to z's dtype (bf16) after each
-    operation, as the records from 2025-09-27 compute the training loss."""
+    operation, as the records from 2025-09-27 compute validation's (and, until 2026-01-16, training's) loss."""
     return cap * torch.sigmoid(((z if in_z_dtype else z.float()) + offset) / LOGIT_SOFTCAP_SPREAD)
 
 
@@ -718,8 +718,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, ve_gate: bool = False,
-                 key_offset: bool = False, paired: bool = False, matrix_dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, ve_gate: bool,
+                 key_offset: bool, paired: bool, matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, ve_gate, key_offset, paired, matrix_dtype)
                      if has_attention else None)
@@ -800,7 +800,8 @@ def chunked_eval_loss(xn: Tensor, w: Tensor, targets: Tensor, cap: float, offset
     for start in range(0, xn.size(0), EVAL_LOSS_CHUNK):
         rows, t = xn[start:start + EVAL_LOSS_CHUNK], targets[start:start + EVAL_LOSS_CHUNK]
         s = softcap(rows @ w.T, True, cap, offset).float().div_(cap)
-        # Logits in (0, cap): exp cannot overflow, so no max pass.
+        # Logits in (0, cap): exp cannot overflow, so no max pass. s / cap, then exp2: the validation losses
+        # logged so far were computed so (the training loss's chunked form); the same ops keep their bits.
         sum_exp = torch.exp2(s * (cap * LOG2E)).sum(dim=-1)
         total = total + (sum_exp.log() - cap * s.gather(1, t[:, None]).squeeze(1)).sum()
     return total
@@ -928,7 +929,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        c = self.config = config
+        c = config
         L, D = c.num_layers, c.model_dim
         if L < 2:
             raise ValueError(f"num_layers must be >= 2, got {L}")
@@ -1613,7 +1614,7 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
 @dataclass(frozen=True)
 class DevicePlan:
     device: torch.device
-    dtype: str  # embeddings, activations and Muon's orthogonalization: bfloat16 or float32
+    dtype: str  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16 or float32
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
     fp8: bool  # the lm_head's matmul in FP8
     compile: bool  # torch.compile the model
@@ -1723,8 +1724,8 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
     return GPT(gpt_config(args, max_seq_len, plan))
 
 
-# Adam's betas by parameter kind (the records' from 2026-01-04), and its cautious weight decay, times lr^2 and each
-# kind's multiplier (the records' from 2025-12-29; the other kinds' is 0). value_embeds: the bigram embedding's too.
+# Adam's betas by parameter kind (the records' from 2026-01-04), and its cautious weight decay (from 2025-12-18), times
+# lr^2 and each kind's multiplier (these from 2025-12-29; the other kinds' 0). value_embeds: the bigram table's too.
 ADAM_BETAS = dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), x0=(0.65, 0.95))
 ADAM_CAUTIOUS_WD = 0.005
 ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)

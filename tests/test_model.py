@@ -573,8 +573,8 @@ def test_forward_backward_fp32_reaches_every_parameter():
 def test_bf16_embeddings_path():
     """Embedding tables (the token's, the value and bigram ones) stored in bf16, as training stores them, make the
     whole forward bf16: the other weights are cast to it, lambdas rounded to it, results rounded to it up to the
-    float32 logits; rms_norm's eps stays float32's (torch norms bf16 in float32, with float32's eps: a twin with
-    bf16's eps misses the tied embedding's small initial rows by 6 bounds). It runs forward and backward, and its loss
+    float32 logits; rms_norm's eps stays float32's (torch norms bf16 in float32, with float32's eps, which the tied
+    embedding's small initial rows show). It runs forward and backward, and its loss
     lies within the probabilistic first-order bound (tests/rounding.py) of a float64 twin with float32's eps; that
     twin gives the fp32 loss within first_order_bound."""
     model = randomize_(tiny_gpt())
@@ -627,7 +627,7 @@ def test_compiled_flex_model_matches_sdpa(monkeypatch):
     layers' keys (256) and the short ones' (128); layer 1's heads paired, over its doubled sequence. Inductor's CPU
     FlexAttention template takes no epilogue (torch 2.13: NotImplementedError), so the attention gate's product
     after it stays a kernel of its own here (CPU training attends by SDPA). randomize_'s seed 2: weights under which
-    the far keys matter (under some draws, its seed 1's, a 1-block window moves no logit by 0.2)."""
+    the far keys move the loss past the bound (not all draws do), as the control at the end asserts."""
     monkeypatch.setattr(torch._inductor.config, "epilogue_fusion", False)
     sdpa = randomize_(tiny_gpt(backend="sdpa", paired_layers=(1,)), seed=2)
     flex = tiny_gpt(backend="flex", paired_layers=(1,))

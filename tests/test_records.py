@@ -37,7 +37,7 @@ records = _load_tool()
 TINY_ANY_SOURCE = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
                    "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--val_loss_every=1",
                    f"--vocab_size={TINY_VOCAB}", "--compile=false"]  # compiling would cost most of each tiny run
-TINY = [*TINY_ANY_SOURCE, *TINY_FORMS]  # the forms the tests were written against (conftest.py)
+TINY = [*TINY_ANY_SOURCE, *TINY_FORMS]  # what the current source needs at this size (conftest.py)
 EDIT_SUFFIX = "  (edited by tests/test_records.py)"
 
 

@@ -221,7 +221,8 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
                  "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
                  "windows (units of 32 tokens; short layers half): 2, 4, 8, 16, 32 in equal parts of training, 32 for "
                  "the final validation; softmax scale by window 2: 0.1200000, 4: 0.1200000, 8: 0.1200000, 16: 0.1200000, "
-                 "32: 0.1200000; rotary rescaled (YaRN) at each change\n"):
+                 "32: 0.1200000; rotary rescaled (YaRN) at each change\n",
+                 "embedding: a copy of the lm_head all run (it would untie after step 3)\n"):  # ceil(2/3 x 2), odd
         assert line in header, line
     assert "step:2/2 val_loss:" in header and "peak memory (RSS):" in header
 
@@ -267,6 +268,7 @@ def test_a_checkpoint_in_any_batch_stage_resumes_to_the_same_bits(tiny_shards, t
     full = run(tiny_shards, tmp_path, *common, "--checkpoint_every=2", run_id="full")
     log = Path(full["log_path"]).read_text()
     assert log.count("embedding untied from the lm_head after step 5:") == 1
+    assert "embedding: a copy of the lm_head until step 5's update, then trained apart\n" in log  # the header's
     for step, seq_len, window in ((0, 128, 1), (2, 256, 2), (4, 384, 3), (6, 384, 4)):
         assert f"stage {seq_len}x{window}: from step {step}, 2 x {seq_len} tokens a step, long window {window} x 32" in log
         assert re.search(rf"^stage {seq_len}x{window}: 2 steps, step_avg:", log, re.MULTILINE)
@@ -379,9 +381,8 @@ def test_a_non_finite_validation_loss_stops_the_run_naming_the_step(tiny_shards,
         run(tiny_shards, tmp_path, "--num_iterations=2", "--val_loss_every=1")
 
 
-# Muon's weight decay off: tied to lr^2, it would take the weights past float32's range, and the loss with them. Far
-# larger lrs do not diverge so: from 1e4 every logit saturates alike (the loss ln(1024)); at 1e6 the activations
-# overflow.
+# Muon's weight decay off: tied to lr^2, it would take the weights past float32's range. Far larger lrs saturate
+# every logit alike (the loss then ln(1024), not above it), or overflow the activations.
 HUGE_LRS = ["--head_lr=100", "--embed_lr=100", "--scalar_lr=100", "--muon_lr=100", "--muon_cautious_wd=0"]
 ENTROPY_LINE = re.compile(r"^final val loss (\S+) nats vs (\S+) for the validation tokens' unigram entropy: (\S+) nats "
                           r"(above|below)$", re.M)

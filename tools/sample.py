@@ -113,7 +113,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     removed = sorted(set(state["hyperparameters"]) - known)  # what they chose may differ from what is now fixed
-    if removed or isinstance(state["hyperparameters"]["seq_len"], int) or "paired_head_layers" not in state["hyperparameters"]:
+    if removed or isinstance(state["hyperparameters"].get("seq_len"), int) or "paired_head_layers" not in state["hyperparameters"]:
         why = f"with settings since removed ({', '.join(removed)})" if removed else "before the 2026-01-07 record's layouts"
         raise train_gpt.ConfigError(f"{path}: made by an earlier train_gpt.py, {why}; load it with the tools of the "
                                     f"commit that made it")
