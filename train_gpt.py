@@ -96,7 +96,9 @@ def settle_vector_math():
 LOGIT_SOFTCAP = 23.0  # logits = LOGIT_SOFTCAP * sigmoid((z + LOGIT_OFFSET) / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
 LOGIT_OFFSET = 5.0  # (records from 2025-12-26; 30 and 0 before)
 LOGIT_SOFTCAP_SPREAD = 7.5
-LM_HEAD_FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)  # the record's (x, w, grad) scales (records from 2025-12-29)
+LM_HEAD_FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)  # the record's (x, w, grad) scales (records from 2025-12-29),
+# the grad's times the loss scale (from 2026-01-30)
+LOSS_SCALE = 2.0  # training backpropagates each micro-batch's summed loss times this / accumulation steps (2026-01-30)
 
 
 def softcap(z: Tensor, in_z_dtype: bool = False, cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
@@ -664,10 +666,11 @@ class CausalSelfAttention(nn.Module):
         self.num_heads, self.head_dim, self.key_offset, self.paired = num_heads, head_dim, key_offset, paired
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
-        # q, k, v and the output projection in one parameter (one Muon matrix each); the output starts at zero.
+        # q, k, v and the output projection in one parameter (one Muon matrix each).
         self.qkvo_w = nn.Parameter(torch.zeros(4, model_dim, model_dim, dtype=matrix_dtype))
         # Gates, per head: the attention output times sigmoid(w . x[:12]), and (on the layers with one) the value
-        # embedding times 2 sigmoid(w . x[:12]) (records from 2025-12-29).
+        # embedding times 2 sigmoid(w . x[:12]) (records from 2025-12-29), 2 sigmoid(w . (x[:6], ve[:6])) where the
+        # heads attend alone (records from 2026-02-03).
         gate_inputs = min(GATE_INPUTS, model_dim)
         self.attn_gate = CastedLinear(gate_inputs, num_heads)
         self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
@@ -693,13 +696,19 @@ class CausalSelfAttention(nn.Module):
                 cache.last_key = k[:, -1:]
             k = offset_keys(k, before, restarts)
         if ve is not None:
-            v = v + 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features])).view(*v.shape[:-1], 1) * ve.view_as(v)
+            v = v + 2 * torch.sigmoid(self.ve_gate(self.ve_gate_input(x, ve))).view(*v.shape[:-1], 1) * ve.view_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
         y = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H, D)
         y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
         return F.linear(y.reshape(B, T, -1), lambdas[1] * self.qkvo_w[3].type_as(y))
+
+    def ve_gate_input(self, x: Tensor, ve: Tensor) -> Tensor:
+        """What the value-embedding gate reads: x's first dims, or where the heads attend alone, the first half of
+        them beside as many of the value embedding's own."""
+        n = self.ve_gate.in_features
+        return x[..., :n] if self.paired else torch.cat([x[..., :n // 2], ve[..., :n // 2]], dim=-1)
 
 
 class MLP(nn.Module):
@@ -745,15 +754,13 @@ def u_layers(num_layers: int) -> tuple[int, int]:
 
 
 def value_embedding_layout(num_layers: int) -> list[int | None]:
-    """Each layer's value-embedding table, as the records place them: tables 0, 1, 2 on the first and last three layers
-    of the U (fewer when shallow)."""
-    depth, cut = u_layers(num_layers)
-    if cut:
-        return value_embedding_layout(depth)[cut:]
-    tables = min(3, (num_layers - 2) // 2)
+    """Each layer's value-embedding table, each table its own, as the records from 2026-02-03 place them: from layer 1
+    up, one on each of the first two layers of a quarter of the model's, then one on each of its last three (11 layers:
+    None, 0, 1, None x 5, 2, 3, 4; 4 layers: None, 0, None, 1)."""
+    first, last = min(2, num_layers // 4), min(3, (num_layers + 1) // 4)
     placed = [None] * num_layers
-    for t in range(tables):
-        placed[t] = placed[num_layers - tables + t] = t
+    for t, layer in enumerate([*range(1, 1 + first), *range(num_layers - last, num_layers)]):
+        placed[layer] = t
     return placed
 
 
@@ -761,8 +768,8 @@ def attention_free_layer(num_layers: int) -> int:
     """The layer without attention: the U's second decoder layer (7 of 12, 6 of 11, as in the records), or the
     nearest earlier one without a value embedding, whose only use is attention."""
     depth, cut = u_layers(num_layers)
-    table_of_layer = value_embedding_layout(depth)
-    return max(i for i in range(cut, min(depth // 2 + 2, depth)) if table_of_layer[i] is None) - cut
+    table_of_layer = value_embedding_layout(num_layers)
+    return max(i for i in range(min(depth // 2 + 2, depth) - cut) if table_of_layer[i] is None)
 
 
 def skip_partner(num_layers: int, layer: int) -> int:
@@ -880,19 +887,19 @@ class SoftcappedLoss(torch.autograd.Function):
 
 
 RESIDUAL_LAMBDA_INIT = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18)
-ATTN_INIT_STD = 1.0  # q, k, v start uniform with std ATTN_INIT_STD / sqrt(model_dim) (records from 2025-12-22)
 HEAD_INIT_STD = 0.005  # the lm_head starts normal with this std (records from 2025-12-19)
+VE_INIT_STD = 0.01  # the value embeddings start normal with this std (records from 2026-02-03; zero before)
 
 
 def draw_matrices(blocks: nn.ModuleList, model_dim: int):
-    """The records' draws from 2026-01-18: every layer's q, k and v, then every up-projection and one more (the record's
-    padding MLP, discarded), each uniform in float32 and rounded once to its parameter's dtype."""
-    attention = [block.attn.qkvo_w[:3] for block in blocks if block.attn is not None]
+    """The records' draws from 2026-02-03: every layer's q, k, v and output projection, then every up-projection and one
+    more (the record's padding MLP, discarded), all uniform with one bound, each in float32 and rounded once to its
+    parameter's dtype."""
+    attention = [block.attn.qkvo_w for block in blocks if block.attn is not None]
     up = [block.mlp.c_fc for block in blocks]
     with torch.no_grad():
-        for weights, bound in ((attention, init_bound(model_dim, ATTN_INIT_STD)), (up, init_bound(model_dim))):
-            for w in weights:
-                w.copy_(torch.empty(w.shape).uniform_(-bound, bound))
+        for w in [*attention, *up]:
+            w.copy_(torch.empty(w.shape).uniform_(-init_bound(model_dim), init_bound(model_dim)))
         torch.empty(up[0].shape).uniform_()
 
 
@@ -917,6 +924,7 @@ class GPTConfig:
     dtype: torch.dtype = torch.float32  # every parameter but the scalars, and the rotary tables
     attention_backend: str = "sdpa"  # flex: FlexAttention block masks; sdpa: the same masks, dense
     fp8: bool = False  # the lm_head's training matmul in FP8
+    loss_scale: float = LOSS_SCALE  # training's factor on each micro-batch's loss (loss_scale()), in FP8's grad scale too
 
 
 class GPT(nn.Module):
@@ -947,11 +955,11 @@ class GPT(nn.Module):
         smear_gate, skip_gate = CastedLinear(gate_inputs, 1), CastedLinear(gate_inputs, 1)
         for gate in (smear_gate, skip_gate):
             torch.empty(gate.weight.shape).uniform_()
-        value_embeds = nn.ModuleList(nn.Embedding(padded_vocab, D)
-                                     for _ in range(max((t + 1 for t in self.ve_layout if t is not None), default=0)))
-        with torch.no_grad():  # zero after their draws, which keeps every later draw in its place (records from 2025-12-14)
-            for table in value_embeds:
-                table.weight.zero_()
+        # The value-embedding tables, one parameter (tables x padded_vocab, D), drawn in the run's dtype, then scaled
+        # in it (records from 2026-02-03).
+        self.ve_tables = sum(t is not None for t in self.ve_layout)
+        value_embeds = (nn.Parameter(VE_INIT_STD * torch.randn(self.ve_tables * padded_vocab, D, dtype=c.dtype))
+                        if self.ve_tables else None)
         self.paired = [i in c.paired_layers for i in range(L)]
         if any(self.paired[i] and (i == no_attention or self.long_window[i] or c.num_heads % 2) for i in range(L)):
             raise ValueError(f"paired_layers={','.join(map(str, c.paired_layers))}: pairs of heads (an even number) in "
@@ -962,7 +970,8 @@ class GPT(nn.Module):
                                for i in range(L))
         draw_matrices(blocks, D)
         self.logit_cap, self.logit_offset = c.logit_cap, c.logit_offset
-        lm_head = CastedLinear(D, padded_vocab, LM_HEAD_FP8_SCALES if c.fp8 else None)
+        x_s, w_s, grad_s = LM_HEAD_FP8_SCALES
+        lm_head = CastedLinear(D, padded_vocab, (x_s, w_s, c.loss_scale * grad_s) if c.fp8 else None)
         with torch.no_grad():  # drawn as the record stores it from 2026-01-18, (model_dim, vocab), in its dtype
             lm_head.weight.copy_(torch.empty(D, padded_vocab, dtype=c.dtype).normal_(0, HEAD_INIT_STD).T)
         embed = nn.Embedding(padded_vocab, D)
@@ -973,7 +982,8 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, D)
         with torch.no_grad():
             self.bigram_embed.weight.zero_()
-        self.embed, self.smear_gate, self.value_embeds = embed, smear_gate, value_embeds
+        self.embed, self.smear_gate = embed, smear_gate
+        self.register_parameter("value_embeds", value_embeds)
         # Scalars, one Adam tensor: per layer the residual stream's lambda, those on attention's (q k v, output)
         # weights and on the bigram embedding, then the smear's and (where on) the backout's lambdas, and the U-net
         # skip weights. The x0 lambdas are a tensor of their own: the records give them other betas.
@@ -1002,7 +1012,7 @@ class GPT(nn.Module):
         self.rotary = Rotary(c.head_dim, c.max_seq_len, c.window_unit, c.dtype)
         self.attention_scales = attention_scales(c.windows, c.attention_scale, c.attention_scale_growth)
         self.lm_head = lm_head
-        for table in [self.embed, *self.value_embeds, self.bigram_embed]:
+        for table in [self.embed, self.bigram_embed]:
             table.to(c.dtype)
         for module in self.modules():  # the lm_head and the gates
             if isinstance(module, CastedLinear):
@@ -1035,7 +1045,8 @@ class GPT(nn.Module):
         masks = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
                                          long_window=long_window, paired=any(self.paired))
         scale = self.attention_scales[window]
-        ve = [table(tokens)[None] for table in self.value_embeds]
+        ve = (self.value_embeds.view(self.ve_tables, -1, self.value_embeds.size(1))[:, tokens]
+              if self.ve_tables else None)
         positions = 0 if cache is None else len(cache)
         if restarts is not None:
             if cache is not None:
@@ -1058,7 +1069,7 @@ class GPT(nn.Module):
                 gate = torch.sigmoid(skip_weights[i - first_decoder])
                 gate = gate * 2 * torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features]))
                 x = x + gate * skips.pop(i)
-            layer_ve = ve[self.ve_layout[i]] if self.ve_layout[i] is not None else None
+            layer_ve = ve[self.ve_layout[i]][None] if self.ve_layout[i] is not None else None
             x = self.blocks[i](x, x0 if i else None, layer_ve, resid_lambdas[i], self.x0_lambdas[i], attn_lambdas[i],
                                masks[self.paired[i], self.long_window[i]], self.rotary, scale,
                                None if cache is None else cache.layers[i], positions, restarts, bigram, bigram_lambdas[i])
@@ -1392,7 +1403,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-01-19 BigramHashEmbedding); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2026-02-03 VeTuned); presets override some of them
 
 
 @dataclass
@@ -1406,7 +1417,7 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
     # schedule
-    num_iterations: int = 1600  # optimizer steps
+    num_iterations: int = 1547  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
     cooldown_frac: float = 0.55  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
@@ -1707,21 +1718,28 @@ def check_ranks_agree(plan: DevicePlan, world_size: int):
 # The training step and loop
 
 
-def gpt_config(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None) -> GPTConfig:
-    """The GPT that args describe, built as plan says; without a plan, for inference on CPU (dense masks, no FP8,
-    float32 parameters)."""
+def loss_scale(args: Hyperparameters, world_size: int) -> float:
+    """What each micro-batch's summed loss is multiplied by before its backward: LOSS_SCALE / accumulation steps, the
+    ranks' gradients then averaged, so the same gradient at any world size."""
+    return LOSS_SCALE / (args.batch_slots // world_size)
+
+
+def gpt_config(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None, world_size: int = 1) -> GPTConfig:
+    """The GPT that args describe, built as plan says for world_size ranks; without a plan, for inference on CPU (dense
+    masks, no FP8, float32 parameters)."""
     return GPTConfig(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
                      windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                      attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth,
                      skip_layers=skip_layers(args), backout_layer=args.backout_layer,
                      paired_layers=paired_head_layers(args), logit_cap=args.logit_cap, logit_offset=args.logit_offset,
                      dtype=DTYPES[plan.dtype] if plan else torch.float32,
-                     attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8)
+                     attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8,
+                     loss_scale=loss_scale(args, world_size))
 
 
-def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None) -> GPT:
+def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None, world_size: int = 1) -> GPT:
     """The GPT of gpt_config(), on CPU."""
-    return GPT(gpt_config(args, max_seq_len, plan))
+    return GPT(gpt_config(args, max_seq_len, plan, world_size))
 
 
 # Adam's betas by parameter kind (the records' from 2026-01-04), and its cautious weight decay (from 2025-12-18), times
@@ -1744,7 +1762,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     groups = [
         dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=ADAM_BETAS["head"]),
         dict(params=[model.embed.weight], lr=args.embed_lr, wd_mul=ADAM_WD_MULS["embed"], betas=ADAM_BETAS["head"]),
-        dict(params=[t.weight for t in [*model.value_embeds, model.bigram_embed]], lr=args.value_embed_lr,
+        dict(params=[p for p in (model.value_embeds, model.bigram_embed.weight) if p is not None], lr=args.value_embed_lr,
              wd_mul=ADAM_WD_MULS["value_embeds"], betas=ADAM_BETAS["value_embeds"]),
         dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
         dict(params=[model.smear_gate.weight], lr=args.smear_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
@@ -1767,11 +1785,18 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
     return adam, muon
 
 
-def stage_at(step: int, stages: tuple, args: Hyperparameters):
-    """The stage of step among stages in equal parts of the scheduled steps (all but the extension); the last one
-    for the extension."""
+def stage_bounds(step: int, parts: int, args: Hyperparameters) -> tuple[int, int, int]:
+    """(k, first, end): step lies in part k of `parts` parts of the scheduled steps (all but the extension), steps first
+    to end - 1, part k starting at round(k N / parts) (the records' from 2026-01-30); the extension in the last part."""
     scheduled = args.num_iterations - args.extension_steps
-    return stages[min(len(stages) * step // scheduled, len(stages) - 1)]
+    k = max(k for k in range(parts) if step >= round(k * scheduled / parts))
+    return k, round(k * scheduled / parts), round((k + 1) * scheduled / parts)
+
+
+def stage_at(step: int, stages: tuple, args: Hyperparameters):
+    """The stage of step among stages, each in its part of the scheduled steps (stage_bounds); the last one for the
+    extension."""
+    return stages[stage_bounds(step, len(stages), args)[0]]
 
 
 def seq_len_at(step: int, args: Hyperparameters) -> int:
@@ -1787,20 +1812,18 @@ UNTIE_EMBED_FRAC = 2 / 3  # the embedding is tied to the lm_head until Adam's fi
 
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """The stage's peak (LR_STAGE_PEAKS, each from the step after its part begins: the record's test is strict), then
-    in the cooldown linear from it toward 0.1 at the end of the scheduled steps; 0.1 through the extension."""
+    """The stage's peak (LR_STAGE_PEAKS, each from its part's first step), then from step int(N (1 - cooldown_frac))
+    linear from it toward 0.1 at the end of the N scheduled steps; 0.1 through the extension (the records' from
+    2026-01-30)."""
     scheduled = args.num_iterations - args.extension_steps
-    if step >= scheduled:  # the record's formula gives 0.1 at the last scheduled step too
+    if step >= scheduled:
         return 0.1
-    progress, stages = step / scheduled, len(LR_STAGE_PEAKS)
-    peak = LR_STAGE_PEAKS[0]
-    for k in range(1, stages):
-        if progress > k / stages:
-            peak = LR_STAGE_PEAKS[k]
-    if progress < 1 - args.cooldown_frac:
+    peak = stage_at(step, LR_STAGE_PEAKS, args)
+    cooldown_start = int(scheduled * (1 - args.cooldown_frac))
+    if step < cooldown_start:
         return peak
-    w = (1 - progress) / args.cooldown_frac
-    return peak * w + (1 - w) * 0.1
+    t = (step - cooldown_start) / (scheduled - cooldown_start)
+    return peak * (1 - t) + 0.1 * t
 
 
 def window_at(step: int, args: Hyperparameters) -> int:
@@ -1853,21 +1876,22 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 
 def mtp_weights_at(step: int, args: Hyperparameters) -> tuple[float, ...]:
-    """Multi-token prediction's weights at step: in part k of len(MTP_WEIGHTS) equal parts of the scheduled steps, the
-    first len - k of them, the last of several fading linearly to 0 over the part (the records' from 2025-12-22, with
-    their tests); the next token's alone in the last part and the extension."""
-    n, progress = len(MTP_WEIGHTS), step / (args.num_iterations - args.extension_steps)
-    part = sum(progress >= k / n for k in range(1, n))
-    weights = list(MTP_WEIGHTS[:n - part])
+    """Multi-token prediction's weights at step: in part k of len(MTP_WEIGHTS) parts of the scheduled steps
+    (stage_bounds), the first len - k of them, the last of several moving linearly from its value toward 0 over the
+    part, a + (0 - a) t (the records' from 2026-01-30); the next token's alone in the last part and the extension."""
+    k, first, end = stage_bounds(step, len(MTP_WEIGHTS), args)
+    weights = list(MTP_WEIGHTS[:len(MTP_WEIGHTS) - k])
     if len(weights) > 1:
-        weights[-1] = weights[-1] * (1 - (n * progress - part))
+        t = (step - first) / (end - first)
+        weights[-1] = weights[-1] + (0.0 - weights[-1]) * t
     return tuple(weights)
 
 
 def untie_step(args: Hyperparameters) -> int:
     """The step after whose update the input embedding stops being a copy of the lm_head: Adam's first step from
-    UNTIE_EMBED_FRAC of the scheduled steps on (the record's ceil(2/3 N) | 1); past the last step in runs too short."""
-    step = math.ceil(UNTIE_EMBED_FRAC * (args.num_iterations - args.extension_steps))
+    round(UNTIE_EMBED_FRAC N) on (the records' third stage's first step | 1, from 2026-01-30); past the last step in
+    runs too short."""
+    step = round(UNTIE_EMBED_FRAC * (args.num_iterations - args.extension_steps))
     while not adam_steps_at(step):
         step += 1
     return step
@@ -1904,7 +1928,7 @@ class Trainer:
         if plan.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
-        self.model = build_model(args, max(*args.seq_len, args.val_seq_len), plan).to(plan.device)
+        self.model = build_model(args, max(*args.seq_len, args.val_seq_len), plan, world_size).to(plan.device)
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -1918,6 +1942,7 @@ class Trainer:
                                            world_size, torch.float64 if args.exact_grad_sum else None,
                                            deferred=adam_params, alone=[self.model.embed.weight])
         self.grad_accum_steps = args.batch_slots // world_size
+        self.loss_scale = loss_scale(args, world_size)
         # AOTAutograd's cache skips graphs with an autograd.Function unless allowed; SoftcappedLoss
         # keeps no state outside its saved tensors and ctx constants, so its cached graphs are safe to reuse.
         torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
@@ -1960,8 +1985,7 @@ class Trainer:
                 self.buckets.last_micro_step = i == len(micro_batches) - 1
                 self.buckets.reduce_deferred = adam_steps
             loss = self.compiled(inputs, targets, self.window, None, self.mtp_weights[step])
-            # Summed loss / accumulation steps, averaged over ranks: the same gradient at any world size.
-            (loss / self.grad_accum_steps).backward()
+            (loss * self.loss_scale).backward()
             total += loss.detach()
         if self.buckets is not None:
             self.buckets.wait_for_gradients()

@@ -26,7 +26,7 @@ def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
     model = train_gpt.build_model(args, 1024, plan)  # args.dtype is still auto: the plan's dtype is the one used
     assert model.attention_backend == "sdpa" and model.lm_head.fp8_scales is None
     run_dtype = train_gpt.DTYPES[plan.dtype]
-    assert model.embed.weight.dtype == model.value_embeds[0].weight.dtype == model.rotary.cos.dtype == run_dtype
+    assert model.embed.weight.dtype == model.value_embeds.dtype == model.rotary.cos.dtype == run_dtype
 
 
 def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):

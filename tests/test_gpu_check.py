@@ -28,9 +28,9 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
                       "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
-    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2026-01-19 record "
-                                          "(BigramHashEmbedding) computes: val 3.2776 at step 1600 after 98.4 s of "
-                                          "training on 8xH100, the means of its 6 published logs, unmeasured by us.")
+    assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2026-02-03 record "
+                                          "(VeTuned) computes: val 3.2782 at step 1547 after 95.3 s of "
+                                          "training on 8xH100, the means of its 10 published logs, unmeasured by us.")
     if flex == "PASS":
         assert "windows of 128, 129, 334, 384 tokens (paired heads: 128) at scales 0.1000" in rows["flex forward"]
     else:

@@ -52,8 +52,8 @@ def randomize_(model, seed=1):
                 p[3].uniform_(-0.2, 0.2)
         model.lm_head.weight.uniform_(-0.875, 0.875)
         model.scalars.add_(0.3 * torch.randn_like(model.scalars))
-        for table in model.value_embeds:  # last: the draws before keep their values
-            table.weight.normal_(0, 0.5)
+        if model.value_embeds is not None:  # last: the draws before keep their values
+            model.value_embeds.normal_(0, 0.5)
         model.bigram_embed.weight.normal_(0, 0.1)  # smaller: a table as large as the value embeddings' swamps the context
     return model
 
@@ -66,27 +66,32 @@ def documents(seed=0, n=T):
     return tokens[:-1].int(), tokens[1:]
 
 
-# Layouts from the docstrings' rules: value-embedding tables 0, 1, 2 on the first and last three layers of the U
-# (fewer when shallow, keeping two middle layers free); the attention-free layer is the U's second decoder layer,
-# moved earlier when that layer has a value embedding; long windows on every fourth encoder layer of the U from the
-# first, mirrored in the decoder; each decoder layer's skip partner is its mirror. An odd depth is the U one layer
-# deeper without its layer 0: every index one lower, and the skip into the U's last layer gone.
+# Layouts from the docstrings' rules: a value-embedding table of its own on min(2, L // 4) layers from layer 1 and on
+# the last min(3, (L + 1) // 4); the attention-free layer is the U's second decoder layer, moved earlier when that
+# layer has a value embedding; long windows on every fourth encoder layer of the U from the first, mirrored in the
+# decoder; each decoder layer's skip partner is its mirror. An odd depth is the U one layer deeper without its layer
+# 0: every index one lower, and the skip into the U's last layer gone.
 LAYOUTS = {
-    12: dict(ve=[0, 1, 2, None, None, None, None, None, None, 0, 1, 2], attention_free=7, long=[0, 4, 7, 11],
+    12: dict(ve=[None, 0, 1, None, None, None, None, None, None, 2, 3, 4], attention_free=7, long=[0, 4, 7, 11],
              skips={6: 5, 7: 4, 8: 3, 9: 2, 10: 1, 11: 0}),
-    11: dict(ve=[1, 2, None, None, None, None, None, None, 0, 1, 2], attention_free=6, long=[3, 6, 10],
+    11: dict(ve=[None, 0, 1, None, None, None, None, None, 2, 3, 4], attention_free=6, long=[3, 6, 10],
              skips={5: 4, 6: 3, 7: 2, 8: 1, 9: 0}),
-    8: dict(ve=[0, 1, 2, None, None, 0, 1, 2], attention_free=4, long=[0, 7], skips={4: 3, 5: 2, 6: 1, 7: 0}),
-    5: dict(ve=[1, None, None, 0, 1], attention_free=2, long=[4], skips={2: 1, 3: 0}),
-    4: dict(ve=[0, None, None, 0], attention_free=2, long=[0, 3], skips={2: 1, 3: 0}),
+    8: dict(ve=[None, 0, 1, None, None, None, 2, 3], attention_free=5, long=[0, 7], skips={4: 3, 5: 2, 6: 1, 7: 0}),
+    5: dict(ve=[None, 0, None, None, 1], attention_free=3, long=[4], skips={2: 1, 3: 0}),
+    4: dict(ve=[None, 0, None, 1], attention_free=2, long=[0, 3], skips={2: 1, 3: 0}),
     3: dict(ve=[None, None, 0], attention_free=1, long=[2], skips={1: 0}),
 }
+
+
+def ve_table(model, table):
+    """Value-embedding table `table` of the model's one parameter, (padded vocabulary, D)."""
+    return model.value_embeds.view(model.ve_tables, -1, model.value_embeds.size(1))[table]
 
 
 @pytest.mark.parametrize("depth", sorted(LAYOUTS))
 def test_layer_layout(depth):
     """Value-embedding tables, attention-free layer, long-window layers and U-net skips per depth (11: the record's
-    value embeddings 1, 2, ..., 0, 1, 2, layer 6 without attention, long windows on 3 and 10, the skip 3 into 6)."""
+    value embeddings on 1, 2, 8, 9, 10, layer 6 without attention, long windows on 3 and 10, the skip 3 into 6)."""
     expected = LAYOUTS[depth]
     assert train_gpt.value_embedding_layout(depth) == expected["ve"]
     assert train_gpt.attention_free_layer(depth) == expected["attention_free"]
@@ -99,15 +104,13 @@ def test_layer_layout(depth):
 
 
 def test_an_odd_depth_is_the_next_even_one_without_its_first_layer():
-    """Depth 2L - 1 against depth 2L for L = 2..8, every helper: the layouts lose their first entry, the
-    attention-free layer and the skips (receiver and partner) move one down, and the skip whose partner was layer 0
-    is gone."""
+    """Depth 2L - 1 against depth 2L for L = 2..8, the U's helpers: the long-window layout loses its first entry,
+    the skips (receiver and partner) move one down, and the skip whose partner was layer 0 is gone. (The value
+    embeddings are placed on the model's layers, not the U's: test_layer_layout.)"""
     for half in range(2, 9):
         even, odd = 2 * half, 2 * half - 1
         assert train_gpt.u_layers(odd) == (even, 1) and train_gpt.u_layers(even) == (even, 0)
-        assert train_gpt.value_embedding_layout(odd) == train_gpt.value_embedding_layout(even)[1:]
         assert train_gpt.long_window_layers(odd) == train_gpt.long_window_layers(even)[1:]
-        assert train_gpt.attention_free_layer(odd) == train_gpt.attention_free_layer(even) - 1
         kept = [i for i in train_gpt.skip_receivers(even) if train_gpt.skip_partner(even, i) != 0]
         assert list(train_gpt.skip_receivers(odd)) == [i - 1 for i in kept]
         assert len(kept) == len(train_gpt.skip_receivers(even)) - 1
@@ -117,8 +120,8 @@ def test_an_odd_depth_is_the_next_even_one_without_its_first_layer():
 @pytest.mark.parametrize("depth", sorted(LAYOUTS))
 def test_gpt_structure(depth):
     """Scalars: stream lambdas 1.1, attention lambdas on the q/k/v and output weights (0.5, 1), bigram lambdas 0.1, the
-    smear's lambda 0, skip weights (one per skip receiver) -1.5; x0 lambdas 0, a tensor of their own; value-embedding
-    tables and the bigram table, zero; the attention-free block; an MLP in every block; the key offset on the
+    smear's lambda 0, skip weights (one per skip receiver) -1.5; x0 lambdas 0, a tensor of their own; one parameter of
+    the value-embedding tables; the bigram table, zero; the attention-free block; an MLP in every block; the key offset on the
     long-window layers' attention alone; an attention gate in every attention layer, a value-embedding gate in those
     with a table."""
     expected = LAYOUTS[depth]
@@ -132,8 +135,8 @@ def test_gpt_structure(depth):
     assert model.scalars[4 * L] == 0
     assert torch.equal(model.scalars[4 * L + 1:], torch.full((S,), -1.5))
     assert torch.equal(model.x0_lambdas, torch.zeros(L))
-    assert len(model.value_embeds) == max(t for t in expected["ve"] if t is not None) + 1
-    assert all(not table.weight.any() for table in [*model.value_embeds, model.bigram_embed])
+    assert model.ve_tables == L - expected["ve"].count(None) and model.value_embeds.shape == (model.ve_tables * 256, 32)
+    assert not model.bigram_embed.weight.any()
     for i, block in enumerate(model.blocks):
         assert (block.attn is None) == (i == expected["attention_free"])
         assert block.mlp is not None
@@ -175,7 +178,7 @@ def test_unet_wiring(depth):
             if table is None:
                 assert ve is None
             else:
-                torch.testing.assert_close(ve, model.value_embeds[table](tokens)[None], atol=0, rtol=0)
+                torch.testing.assert_close(ve, ve_table(model, table)[tokens][None], atol=0, rtol=0)
             assert torch.equal(mask, masks[False, i in LAYOUTS[L]["long"]])
             if i == 0:
                 assert block_x0 is None
@@ -266,7 +269,7 @@ def test_the_key_offset_in_the_model_computes_the_records_forward():
         logits = {}
         for shift in (True, False):
             x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
-            ve = model.value_embeds[0](tokens)[None]
+            ve = {1: ve_table(model, 0)[tokens][None], 3: ve_table(model, 1)[tokens][None]}
             outputs = []
             for i, block in enumerate(model.blocks):
                 if i >= 2:
@@ -275,7 +278,7 @@ def test_the_key_offset_in_the_model_computes_the_records_forward():
                 x = (resid_lambdas[0] + x0_lambdas[0]) * x if i == 0 else resid_lambdas[i] * x + x0_lambdas[i] * x0
                 x = x + bigram_lambdas[i] * bigram
                 if i != 2:
-                    x = x + records_attention(block.attn, train_gpt.norm(x), ve if i in (0, 3) else None, sa_lambdas[i],
+                    x = x + records_attention(block.attn, train_gpt.norm(x), ve.get(i), sa_lambdas[i],
                                               long_mask if i in (0, 3) else short_mask, model.rotary,
                                               model.attention_scales[window], key_offset=shift and i in (0, 3))
                 x = x + F.linear(F.relu(F.linear(train_gpt.norm(x), block.mlp.c_fc)).square(), block.mlp.c_proj.T)
@@ -295,7 +298,7 @@ def uniform_eval_loss_bound(padded: int, positions: int) -> float:
 
 
 def test_a_zero_lm_head_gives_uniform_logits():
-    """Attention and MLP output projections start at zero (q, k, v and the up-projection drawn); with the lm_head
+    """The MLP's output projections start at zero (attention's four matrices and the up-projection drawn); with the lm_head
     zeroed (it starts drawn: test_the_records_structure_starts_as_the_record_does) every logit is the same value, the
     softcap of 0 (exp(0) is 1 in every library, after the max is taken out) and the loss is ln(50304), in both train
     (sum) and eval (mean), within the derived bound of float32's roundings: every row computes the same values, so the
@@ -304,8 +307,7 @@ def test_a_zero_lm_head_gives_uniform_logits():
     for block in model.blocks:
         assert block.mlp.c_proj.abs().max() == 0 and block.mlp.c_fc.abs().min(dim=-1).values.min() > 0
         if block.attn is not None:
-            assert block.attn.qkvo_w[3].abs().max() == 0
-            assert block.attn.qkvo_w[:3].abs().min(dim=-1).values.min() > 0  # q, k, v are not zero
+            assert block.attn.qkvo_w.abs().min(dim=-1).values.min() > 0  # q, k, v and o are not zero
     assert model.lm_head.weight.abs().min(dim=-1).values.min() > 0
     with torch.no_grad():
         model.lm_head.weight.zero_()
@@ -583,14 +585,15 @@ def test_bf16_embeddings_path():
     fp32_exact, fp32_bound = first_order_bound(lambda: summed_loss(float64_model, tokens, targets, 2))
     with torch.no_grad():
         assert abs(model(tokens, targets, 2).item() - fp32_exact) <= fp32_bound
-    for table in [model.embed, *model.value_embeds, model.bigram_embed]:
+    for table in [model.embed, model.bigram_embed]:
         table.to(torch.bfloat16)
+    model.value_embeds.data = model.value_embeds.data.bfloat16()
     with TorchCalls() as bf16_forward:
         loss = summed_loss(model, tokens, targets, 2)
     loss.backward()
     with TorchCalls(norm_dtype=torch.float32) as float64_forward:
         float64_loss = summed_loss(float64_model, tokens, targets, 2)
-    tables = [table.weight for table in [float64_model.embed, *float64_model.value_embeds, float64_model.bigram_embed]]
+    tables = [float64_model.embed.weight, float64_model.value_embeds, float64_model.bigram_embed.weight]
     bound = probabilistic_bound(bf16_forward, float64_forward, float64_loss, tables)
     assert_within(loss.detach(), float64_loss.detach(), bound, "bf16 loss")
     assert model.embed.weight.grad.dtype == torch.bfloat16
@@ -802,61 +805,61 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
 
 def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=0, skip_layers=(6,),
                           paired_layers=(0, 2, 5, 9)):
-    """The records' structure of 2026-01-19, at width 32: the 12-layer U without its layer 0, the smear, attention
-    gates, value-embedding gates, one sigmoid-gated skip (3 into 6; None: every receiver, 4..0 into 5..9) with its
-    input gate, block inputs 1.1 x at init, the backout (after block 7), the key offset on the long-window layers,
-    the heads paired in layers 0, 2, 5 and 9, q/k/v drawn with std 1 / sqrt(d), the lm_head with std 0.005 and the
-    embedding its copy, the bigram hash embedding."""
+    """The records' structure of 2026-02-03, at width 32: the 12-layer U without its layer 0, the smear, attention
+    gates, value embeddings on 1, 2, 8, 9, 10 with their gates, one sigmoid-gated skip (3 into 6; None: every
+    receiver, 4..0 into 5..9) with its input gate, block inputs 1.1 x at init, the backout (after block 7), the key
+    offset on the long-window layers, the heads paired in layers 0, 2, 5 and 9, q/k/v/o drawn with std 0.5 / sqrt(d),
+    the lm_head with std 0.005 and the embedding its copy, the bigram hash embedding."""
     torch.manual_seed(seed)
     return train_gpt.GPT(train_gpt.GPTConfig(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
                                              windows=windows, skip_layers=skip_layers, backout_layer=backout_layer,
                                              paired_layers=paired_layers))
 
 
-def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int, value_tables: int = 3,
+def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int, value_tables: int = 5,
                          seed: int = 0) -> dict:
-    """The 2026-01-19 record's construction, its draws in its own form up to the lm_head's (the embedding's and the
-    bigram table's after it are replaced or zeroed): the smear's and skip's nn.Linear(12, 1), the value embeddings,
-    one uniform_ on the attention bank's q/k/v rows and one on the MLP bank's up-projections (one padding MLP), the
-    lm_head drawn (D, vocab) with std 0.005."""
+    """The 2026-02-03 record's construction, its draws in its own form up to the lm_head's (the embedding's and the
+    bigram table's after it are replaced or zeroed): the smear's and skip's nn.Linear(12, 1), the value embeddings
+    0.01 randn (value_tables x vocab, D), one uniform_ on the whole attention bank and one on the MLP bank's
+    up-projections (one padding MLP), both with std 0.5 / sqrt(D), the lm_head drawn (D, vocab) with std 0.005."""
     torch.manual_seed(seed)
     for _ in range(2):
         torch.nn.Linear(min(12, D), 1, bias=False)
-    for _ in range(value_tables):
-        torch.nn.Embedding(vocab, D)
+    value_embeds = 0.01 * torch.randn(value_tables * vocab, D)
     attn_bank, mlp_bank = torch.empty(attention_layers, 4 * D, D), torch.empty(layers + 1, 2, 4 * D, D)
-    attn_bank[:, :3 * D].uniform_(-(3**0.5) * D**-0.5, 3**0.5 * D**-0.5)
-    mlp_bank[:, 0].uniform_(-(3**0.5) * 0.5 * D**-0.5, 3**0.5 * 0.5 * D**-0.5)
-    return dict(qkv=attn_bank[:, :3 * D].reshape(attention_layers, 3, D, D), c_fc=mlp_bank[:layers, 0],
+    bound = 3**0.5 * (0.5 * D**-0.5)
+    attn_bank.uniform_(-bound, bound)
+    mlp_bank[:, 0].uniform_(-bound, bound)
+    return dict(value_embeds=value_embeds, qkvo=attn_bank.reshape(attention_layers, 4, D, D), c_fc=mlp_bank[:layers, 0],
                 lm_head=torch.empty(D, vocab).normal_(0, 0.005))
 
 
 def test_the_records_structure_starts_as_the_record_does():
     """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 51 scalars: the stream's lambdas at
     1.1, the (0.5, 1) lambdas of each layer's attention, the bigram embedding's at 0.1, the smear's lambda at 0, the
-    backout's at 0.5, five skip weights at -1.5; x0 lambdas 0; the gates (smear, skip, attention, value embeddings), the
-    value embeddings and the bigram table zero; the matrices, the lm_head and the embedding (its copy) as the record's
-    construction draws them (replay_records_draws); a replay from another seed differs in each."""
+    backout's at 0.5, five skip weights at -1.5; x0 lambdas 0; the gates (smear, skip, attention, value embeddings) and
+    the bigram table zero; the value embeddings, the matrices, the lm_head and the embedding (its copy) as the
+    record's construction draws them (replay_records_draws); a replay from another seed differs in each."""
     model = records_structure_gpt()
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.key_offset] == [3, 10]
-    assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate is not None] == [0, 1, 8, 9, 10]
+    assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate is not None] == [1, 2, 8, 9, 10]
     expected = torch.cat([torch.full((11,), 1.1), torch.tensor([0.5, 1.0]).repeat(11), torch.full((11,), 0.1),
                           torch.tensor([0.0, 0.5]), torch.full((5,), -1.5)])
     assert torch.equal(model.scalars.detach(), expected) and torch.equal(model.x0_lambdas, torch.zeros(11))
     gates = [model.smear_gate, model.skip_gate] + [g for b in model.blocks if b.attn is not None
                                                    for g in (b.attn.attn_gate, b.attn.ve_gate) if g is not None]
     assert len(gates) == 17 and all(g.weight.size(1) == 12 and not g.weight.any() for g in gates)
-    assert len(model.value_embeds) == 3 and all(not table.weight.any() for table in model.value_embeds)
     assert model.bigram_embed.weight.shape == (5 * 50304, 32) and not model.bigram_embed.weight.any()
     padded = train_gpt.next_multiple(VOCAB, 128)
     for seed, same in ((0, True), (1, False)):
         drawn = replay_records_draws(32, 11, 10, padded, seed=seed)
-        attention = [b.attn.qkvo_w[:3] for b in model.blocks if b.attn is not None]
-        found = [torch.equal(w, r) for w, r in zip(attention, drawn["qkv"])]
+        attention = [b.attn.qkvo_w for b in model.blocks if b.attn is not None]
+        found = [torch.equal(model.value_embeds, drawn["value_embeds"])]
+        found += [torch.equal(w, r) for w, r in zip(attention, drawn["qkvo"])]
         found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
         found += [torch.equal(model.lm_head.weight, drawn["lm_head"].T), torch.equal(model.embed.weight, drawn["lm_head"].T)]
-        assert found == [same] * 23, seed
+        assert found == [same] * 24, seed
     adam, muon = train_gpt.build_optimizers(model, train_gpt.Hyperparameters())
     assert {id(g.weight) for g in gates} <= {id(p) for group in adam.param_groups for p in group["params"]}
 
@@ -873,9 +876,10 @@ def records_bigram_hash(tokens, rows):
 def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
     """The 2026-01-07 record's CausalSelfAttention.forward written out (its dense-mask attention through attend):
     sa_lambdas[0] on the q/k/v weights, QK norm, rotary, the key offset of dims D/2..D (2026-01-19), v + 2 sigmoid(gate)
-    ve, the gate, sa_lambdas[1] on the output weights; and its PairedHeadCausalSelfAttention.forward where attn is
-    paired: q and k viewed (B, T, H/2, 2d) for the rotary at positions 2t, 2t + 1 (paired=True), then (B, 2T, H/2, d),
-    v reshaped so, the value-embedding gate viewed (B, 2T, H/2, 1), the output viewed back (B, T, H, d)."""
+    ve, its gate reading cat(x[:6], ve[:6]) (2026-02-03), the gate, sa_lambdas[1] on the output weights; and its
+    PairedHeadCausalSelfAttention.forward where attn is paired: q and k viewed (B, T, H/2, 2d) for the rotary at
+    positions 2t, 2t + 1 (paired=True), then (B, 2T, H/2, d), v reshaped so, the value-embedding gate reading x[:12]
+    viewed (B, 2T, H/2, 1), the output viewed back (B, T, H, d)."""
     B, T, D = x.shape
     H, d = attn.num_heads, attn.head_dim
     q, k, v = torch.nn.functional.linear(x, sa_lambdas[0] * attn.qkvo_w[:3].flatten(end_dim=1).type_as(x)).view(
@@ -891,7 +895,8 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
         k = k.clone()
         k[:, 1:, :, d // 2:] = k[:, :-1, :, d // 2:].clone()
     if ve is not None:
-        gate = 2 * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.ve_gate.weight))
+        gate_input = x[..., :12] if attn.paired else torch.cat([x[..., :6], ve[0][None, ..., :6]], dim=-1)
+        gate = 2 * torch.sigmoid(torch.nn.functional.linear(gate_input, attn.ve_gate.weight))
         v = v + gate.view(B, 2 * T, H // 2, 1) * ve.view_as(v) if attn.paired else v + gate.view(B, T, H, 1) * ve.view_as(v)
     y = train_gpt.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
     y = y.contiguous().view(B, T, H, d)
@@ -920,8 +925,8 @@ def test_the_records_structure_computes_the_records_forward(window, long_window,
     e = model.embed(tokens)
     gate = smear_lambda * torch.sigmoid(F.linear(e[1:, :12], model.smear_gate.weight))
     x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
-    ve = [table(tokens)[None] for table in model.value_embeds]
-    ve = [ve[1], ve[2], None, None, None, None, None, None, ve[0], ve[1], ve[2]]
+    ve = model.value_embeds.view(5, -1, 32)[:, tokens]
+    ve = [None, ve[0][None], ve[1][None], None, None, None, None, None, ve[2][None], ve[3][None], ve[4][None]]
     long_mask = train_gpt.attention_mask(tokens, (long_window or window) * train_gpt.BLOCK_SIZE, "sdpa")
     short_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa")
     paired_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa", paired=True)
@@ -1036,19 +1041,19 @@ def test_attention_gates_train_with_adam_and_draw_nothing():
     assert {id(g) for g in gates} <= {id(p) for p in gate_group["params"]}  # with the value embeddings' gates
     assert (gate_group["lr"], gate_group["wd_mul"]) == (args.gate_lr, 1.0)
     assert not {id(g) for g in gates} & {id(p) for group in muon.param_groups for p in group["params"]}
-    drawn = replay_records_draws(128, 4, 3, 256, value_tables=1)
-    attention = [block.attn.qkvo_w[:3] for block in model.blocks if block.attn is not None]
-    assert all(torch.equal(w, r) for w, r in zip(attention, drawn["qkv"], strict=True))
+    drawn = replay_records_draws(128, 4, 3, 256, value_tables=2)
+    attention = [block.attn.qkvo_w for block in model.blocks if block.attn is not None]
+    assert all(torch.equal(w, r) for w, r in zip(attention, drawn["qkvo"], strict=True))
     assert all(torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"], strict=True))
 
 
 def test_value_embedding_gates_sit_on_value_embedding_layers_and_train_with_adam():
-    """A value-embedding gate on each layer with a table (0 and 3 of 4) and on no other; with the attention gates,
+    """A value-embedding gate on each layer with a table (1 and 3 of 4) and on no other; with the attention gates,
     exactly Adam's group at gate_lr with wd_mul 1; none of them Muon's."""
     args = train_gpt.Hyperparameters(**FEW_LAYERS, num_layers=4, model_dim=32, num_heads=2, head_dim=16, vocab_size=256)
     model = train_gpt.build_model(args, T)
     gated = [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.ve_gate is not None]
-    assert gated == [i for i, t in enumerate(model.ve_layout) if t is not None] == [0, 3]
+    assert gated == [i for i, t in enumerate(model.ve_layout) if t is not None] == [1, 3]
     adam, muon = train_gpt.build_optimizers(model, args)
     gates = {id(model.blocks[i].attn.ve_gate.weight) for i in gated}
     gate_group = next(g for g in adam.param_groups if g["lr"] == args.gate_lr and g["wd_mul"] == 1.0)
@@ -1059,17 +1064,18 @@ def test_value_embedding_gates_sit_on_value_embedding_layers_and_train_with_adam
 @pytest.mark.parametrize("depth", [4, 11])
 def test_the_draws_follow_the_records_construction(depth):
     """Other depths and skips, no backout, no paired heads: the smear's and the skip's gates (drawn, then zeroed), the
-    value embeddings (drawn, then zeroed: 2025-12-14), every q, k, v, then every up-projection and the padding MLP's,
-    then the lm_head, and the token embedding its copy, as the 2026-01-19 record's construction (replay_records_draws);
-    the bigram table zero. A replay without the value embeddings' draws gives other weights."""
+    value embeddings, every q, k, v and output projection, then every up-projection and the padding MLP's, then the
+    lm_head, and the token embedding its copy, as the 2026-02-03 record's construction (replay_records_draws); the
+    bigram table zero. A replay without the value embeddings' draw gives other weights."""
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(256, depth, 2, 16, 32, T, windows=WINDOWS))
-    assert all(not table.weight.any() for table in [*model.value_embeds, model.bigram_embed])
+    assert not model.bigram_embed.weight.any()
     assert not model.smear_gate.weight.any() and not model.skip_gate.weight.any()
-    attention = [block.attn.qkvo_w[:3] for block in model.blocks if block.attn is not None]
-    for tables, same in ((len(model.value_embeds), True), (0, False)):
+    attention = [block.attn.qkvo_w for block in model.blocks if block.attn is not None]
+    assert torch.equal(model.value_embeds, replay_records_draws(32, depth, len(attention), 256, model.ve_tables)["value_embeds"])
+    for tables, same in ((model.ve_tables, True), (0, False)):
         drawn = replay_records_draws(32, depth, len(attention), 256, value_tables=tables)
-        found = [torch.equal(w, r) for w, r in zip(attention, drawn["qkv"])]
+        found = [torch.equal(w, r) for w, r in zip(attention, drawn["qkvo"])]
         found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
         found += [torch.equal(model.lm_head.weight, drawn["lm_head"].T), torch.equal(model.embed.weight, drawn["lm_head"].T)]
         assert found == [same] * len(found), tables

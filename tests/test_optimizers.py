@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import math
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -323,40 +324,40 @@ RECORD = train_gpt.Hyperparameters()
 CPU = dataclasses.replace(RECORD, **train_gpt.PRESETS["cpu"])
 
 
-def lr_rounding(args):
-    """How far lr_multiplier and its formula by hand may differ in float64: the two round 15 times in all (7 and 8),
-    each moving the result by at most u / cooldown_frac (the cooldown's division, or its start over its length)."""
-    return 15 * UNIT_ROUNDOFF[torch.float64] / args.cooldown_frac
+# lr_multiplier rounds at most 5 times (t, 1 - t, the two products, their sum), each of a value below 2, and the hand's
+# exact fraction once, converting it: within 6 units of 2 u.
+LR_ROUNDING = 12 * UNIT_ROUNDOFF[torch.float64]
 
 
 @pytest.mark.parametrize("args", [RECORD, CPU], ids=["record", "cpu"])
 def test_lr_multiplier(args):
-    """Over the S = N - extension scheduled steps: peak k of the P LR_STAGE_PEAKS once step / S passes k / P, until
-    (1 - cooldown_frac) S, then linear from that peak toward 0.1 at S; 0.1 from S on (the extension, and the final
-    validation's step N)."""
+    """Over the S = N - extension scheduled steps: peak k of the P LR_STAGE_PEAKS from step round(k S / P), until
+    int((1 - cooldown_frac) S), then on the line from that peak there to 0.1 at S (exact fractions by hand); 0.1
+    from S on (the extension, and the final validation's step N)."""
     N, S, peaks = args.num_iterations, args.num_iterations - args.extension_steps, train_gpt.LR_STAGE_PEAKS
-    start = (1 - args.cooldown_frac) * S
+    start = int(S * (1 - args.cooldown_frac))
     for step in range(N + 1):
-        peak = peaks[max([k for k in range(len(peaks)) if step * len(peaks) > k * S] or [0])]
-        expected = peak if step < start else 0.1 + (peak - 0.1) * (S - min(step, S)) / (S - start)
-        assert train_gpt.lr_multiplier(step, args) == pytest.approx(expected, abs=lr_rounding(args)), step
+        peak = peaks[max(k for k in range(len(peaks)) if step >= round(Fraction(k * S, len(peaks))))]
+        expected = peak if step < start else 0.1 + (Fraction(peak) - Fraction(0.1)) * Fraction(S - min(step, S), S - start)
+        assert train_gpt.lr_multiplier(step, args) == pytest.approx(float(expected), abs=LR_ROUNDING), step
     assert {train_gpt.lr_multiplier(step, args) for step in range(S, N + 1)} == {0.1}
-    assert all(train_gpt.lr_multiplier(step, args) == peaks[0] for step in range(max(1, min(math.ceil(start), S // len(peaks)))))
+    assert all(train_gpt.lr_multiplier(step, args) == peaks[0] for step in range(min(start, round(S / len(peaks)))))
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (1560 scheduled steps of 1600, cooldown 0.55, peaks 1, 1.52, 1.73): 1.0 through step
-    520 (520 / 1560 is 1/3, not past it), 1.52 from 521 until the cooldown starts at 702 (702 / 1560 = 0.45), then
-    1.52 w + 0.1 (1 - w); 1.73 w + 0.1 (1 - w) from 1041; 0.1 at 1560 and through the 40 extension steps."""
-    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1600, 40, 0.55)
+    """Spot values for the record (1507 scheduled steps of 1547, cooldown 0.55, peaks 1, 1.52, 1.73): 1.0 through step
+    501, 1.52 from 502 (round(1507 / 3)) through the cooldown's start at 678 (int(0.45 x 1507)), then on the line to 0.1
+    at 1507; 1.73 on the same line's form from 1005 (round(2 x 1507 / 3)); 0.1 from 1507 through the 40 extension
+    steps."""
+    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1547, 40, 0.55)
     assert train_gpt.LR_STAGE_PEAKS == (1.0, 1.52, 1.73)
-    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 520, 521, 701)} == {0: 1.0, 520: 1.0, 521: 1.52,
-                                                                                            701: 1.52}
-    for step, peak in ((702, 1.52), (1040, 1.52), (1041, 1.73), (1559, 1.73)):
-        w = (1 - step / 1560) / 0.55
-        assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(peak * w + 0.1 * (1 - w), abs=lr_rounding(RECORD))
-    assert train_gpt.lr_multiplier(1041, RECORD) > train_gpt.lr_multiplier(1040, RECORD)  # the stage's jump
-    for step in (1560, 1561, 1600):
+    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 501, 502, 677, 678)} == {
+        0: 1.0, 501: 1.0, 502: 1.52, 677: 1.52, 678: 1.52}
+    for step, peak in ((679, 1.52), (1004, 1.52), (1005, 1.73), (1506, 1.73)):
+        t = Fraction(step - 678, 1507 - 678)
+        assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(float(peak * (1 - t) + Fraction(0.1) * t), abs=LR_ROUNDING)
+    assert train_gpt.lr_multiplier(1005, RECORD) > train_gpt.lr_multiplier(1004, RECORD)  # the stage's jump
+    for step in (1507, 1508, 1547):
         assert train_gpt.lr_multiplier(step, RECORD) == 0.1
 
 
@@ -385,90 +386,111 @@ def test_window_at(args):
 
 
 def test_window_at_record_boundaries():
-    """3, 7, 11 over steps 0-519, 520-1039 and 1040-1559 (int(3 step / 1560)); 13 for the 40 extension steps and the
-    final validation at 1600."""
-    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1600)
-    values = {0: 3, 519: 3, 520: 7, 1039: 7, 1040: 11, 1559: 11, 1560: 13, 1599: 13, 1600: 13}
+    """3, 7, 11 over steps 0-501, 502-1004 and 1005-1506 (from round(k x 1507 / 3)); 13 for the 40 extension steps and
+    the final validation at 1547."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1547)
+    values = {0: 3, 501: 3, 502: 7, 1004: 7, 1005: 11, 1506: 11, 1507: 13, 1546: 13, 1547: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
-    # 5 stages over 254 scheduled steps (int(5 step / 254)), then 6 extension steps and the validation at the final window
-    cpu_steps = (0, 50, 51, 101, 102, 152, 153, 203, 204, 253, 254, 259, 260)
+    # 5 stages over 254 scheduled steps (from round(k x 254 / 5): 51, 102, 152, 203), then 6 extension steps and the
+    # validation at the final window
+    cpu_steps = (0, 50, 51, 101, 102, 151, 152, 202, 203, 253, 254, 259, 260)
     assert [train_gpt.window_at(step, CPU) for step in cpu_steps] == [2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 32, 32, 32]
     # 5 stages over 10 steps, no extension: two steps each, then final_window for the validation
     short = dataclasses.replace(RECORD, num_iterations=10, extension_steps=0, window_stages=(1, 2, 3, 4, 5), final_window=6)
     assert [train_gpt.window_at(step, short) for step in range(11)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
 
 
-def test_the_2026_01_19_schedules_at_every_step():
-    """1560 scheduled steps and 40 more (1600), at every step against the record's functions written out: get_lr (the
-    stage peaks 1.52 and 1.73 past 1/3 and 2/3, the cooldown from 0.55, 0.1 after), get_ws and get_bs (int(3 x step /
-    1560)), the multi-token weights of _build_mtp_schedule ([1, 0.5, 0.25 (1 - 3x)], then [1, 0.5 (1 - (3x - 1))],
-    then [1]), Muon's momentum (down over the last 50 steps), and the untie after step ceil(2/3 x 1560) | 1 = 1041 (the
-    same float operations: equal)."""
+class RecordsTrainingSchedule:
+    """The 2026-01-30 to 2026-02-03 records' TrainingSchedule, written out in their form: stages of durations 1/3, 1/3,
+    1/3 and an extension; ends at round(c N) for the running sums c of the durations; each step's stage and the
+    fraction t of it gone; lr the stage's lr_mul, from cd_start = int(N (1 - cooldown_frac)) lr (1 - t') + 0.1 t',
+    t' = min(1, (step - cd_start) / (N - cd_start)); the multi-token weights a + (b - a) t from each stage's start
+    list to its end list; the split at the third stage's first step | 1."""
+
+    STAGES = [  # (duration, batch tokens, windows (short, long), lr_mul, mtp start, mtp end)
+        (1 / 3, 8 * 2048 * 8, (1, 3), 1.0, [1.0, 0.5, 0.25], [1.0, 0.5, 0.0]),
+        (1 / 3, 16 * 2048 * 8, (3, 7), 1.52, [1.0, 0.5], [1.0, 0.0]),
+        (1 / 3, 24 * 2048 * 8, (5, 11), 1.73, [1.0], [1.0]),
+        (None, 24 * 2048 * 8, (6, 13), 1.0, [1.0], [1.0]),
+    ]
+
+    def __init__(self, scheduled, extension, cooldown_frac=0.55):
+        self.scheduled, self.cooldown_frac = scheduled, cooldown_frac
+        ends = [0] + [round(c * scheduled) for c in itertools.accumulate(s[0] for s in self.STAGES[:-1])]
+        self.boundaries = list(itertools.pairwise(ends + [scheduled + extension]))
+        self.split_step = self.boundaries[2][0] | 1
+
+    def lookup(self, step):
+        for i, (start, end) in enumerate(self.boundaries):
+            if step < end:
+                return self.STAGES[i], (step - start) / (end - start)
+        return self.STAGES[-1], 1.0
+
+    def lr(self, step):
+        stage, _ = self.lookup(step)
+        lr = stage[3]
+        cd_start = int(self.scheduled * (1 - self.cooldown_frac))
+        if step >= cd_start:
+            t = min(1.0, (step - cd_start) / (self.scheduled - cd_start))
+            lr = lr * (1 - t) + 0.1 * t
+        return lr
+
+    def mtp(self, step):
+        stage, t = self.lookup(step)
+        return tuple(a + (b - a) * t for a, b in zip(stage[4], stage[5]))
+
+
+def test_the_2026_02_03_schedules_at_every_step():
+    """1507 scheduled steps and 40 more (1547), at every step against the record's TrainingSchedule written out
+    (RecordsTrainingSchedule): lr, multi-token weights, the long window and the batch of the stage in effect (the
+    extension's after 1507), Muon's momentum (down over the last 50 steps), and the untie after its split step 1005
+    (the same float operations: equal). Other lengths too, and the shapes the warm-up compiles."""
     args = RECORD
-    N = 1560
-
-    def record_lr(step):
-        if step > N:
-            return 0.1
-        lr_max = 1.0
-        x = step / N
-        if x > 1 / 3:
-            lr_max = 1.52
-        if x > 2 / 3:
-            lr_max = 1.73
-        if x >= 1 - 0.55:
-            w = (1 - x) / 0.55
-            return lr_max * w + (1 - w) * 0.1
-        return lr_max
-
-    def record_mtp(step):
-        x = step / N
-        if x < 1 / 3:
-            return (1.0, 0.5, 0.25 * (1 - 3 * x))
-        if x < 2 / 3:
-            return (1.0, 0.5 * (1 - (3 * x - 1)))
-        return (1.0,)
-
-    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1600, 40, 8)
+    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1547, 40, 8)
+    record = RecordsTrainingSchedule(1507, 40)
     for step in range(args.num_iterations + 1):
-        assert train_gpt.lr_multiplier(step, args) == record_lr(step), step
-        assert train_gpt.mtp_weights_at(step, args) == record_mtp(step), step
+        assert train_gpt.lr_multiplier(step, args) == record.lr(step), step
+        assert train_gpt.mtp_weights_at(step, args) == record.mtp(step), step
         if step < args.num_iterations:
-            assert train_gpt.window_at(step, args) == (13 if step >= N else (3, 7, 11)[int(3 * (step / N))]), step
-            assert args.batch_slots * train_gpt.seq_len_at(step, args) == (
-                24 * 2048 * 8 if step >= N else (8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8)[int(3 * (step / N))]), step
+            stage, _ = record.lookup(step)
+            assert train_gpt.window_at(step, args) == stage[2][1], step
+            assert args.batch_slots * train_gpt.seq_len_at(step, args) == stage[1], step
     for step in range(args.num_iterations):
         if step < 300:
             expected = 0.85 + (step / 300) * (0.95 - 0.85)
         else:
-            expected = 0.95 - ((step - 1550) / 50) * (0.95 - 0.85) if step > 1550 else 0.95
+            expected = 0.95 - ((step - 1497) / 50) * (0.95 - 0.85) if step > 1497 else 0.95
         assert train_gpt.muon_momentum(step, args) == expected, step
-    assert train_gpt.untie_step(args) == math.ceil(2 / 3 * N) | 1 == 1041
-    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1040, 1041, 1042, 1600)] == [True] * 3 + [False] * 2
-    for scheduled in (30, 99, 1880):  # other lengths: the record's expression, and Adam's (odd) steps
-        other = dataclasses.replace(args, num_iterations=scheduled + 40)
-        assert train_gpt.untie_step(other) == math.ceil(2 / 3 * scheduled) | 1
+    assert train_gpt.untie_step(args) == record.split_step == 1005
+    assert [train_gpt.embed_tied_at(step, args) for step in (0, 1004, 1005, 1006, 1547)] == [True] * 3 + [False] * 2
+    for scheduled in (30, 99, 254, 1450, 1880):  # other lengths: the record's expressions, and Adam's (odd) steps
+        other, record = dataclasses.replace(args, num_iterations=scheduled + 40), RecordsTrainingSchedule(scheduled, 40)
+        assert train_gpt.untie_step(other) == record.split_step
+        assert all(train_gpt.lr_multiplier(step, other) == record.lr(step) and
+                   train_gpt.mtp_weights_at(step, other) == record.mtp(step) for step in range(scheduled + 41))
     short = dataclasses.replace(args, num_iterations=3, extension_steps=0)  # unties after step 3: tied all run
     assert train_gpt.untie_step(short) == 3 and all(train_gpt.embed_tied_at(step, short) for step in range(4))
     # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, and the extension (the tie
     # changes no graph: the embedding is a copy, from 2026-01-18)
-    assert train_gpt.training_shapes(args) == {(16384, 3, 3): 0, (32768, 7, 2): 520, (49152, 11, 1): 1040,
-                                               (49152, 13, 1): 1560}
+    assert train_gpt.training_shapes(args) == {(16384, 3, 3): 0, (32768, 7, 2): 502, (49152, 11, 1): 1005,
+                                               (49152, 13, 1): 1507}
 
 
 @pytest.mark.parametrize("scheduled", [400, 31])
 def test_mtp_weights_fade_within_each_part(scheduled):
-    """Other run lengths: in part k of the n = 3, the first n - k MTP_WEIGHTS, the last of several falling linearly
-    from its value at the part's start toward 0 at its end; the next token's alone in the last part."""
+    """Other run lengths: in part k of the n = 3 (steps round(k S / 3) to round((k + 1) S / 3) - 1), the first n - k
+    MTP_WEIGHTS, the last of several falling linearly from its value at the part's first step toward 0 at the next
+    part's (exact fractions by hand; the weight's three roundings, of values at most 0.5); the next token's alone in
+    the last part."""
     base, n = train_gpt.MTP_WEIGHTS, len(train_gpt.MTP_WEIGHTS)
     assert base == (1.0, 0.5, 0.25)
     args = dataclasses.replace(RECORD, num_iterations=scheduled + 40)
-    for step in range(0, scheduled + 40, max(1, scheduled // 57)):
-        x = min(step / scheduled, 1.0)
-        part = min(int(n * x + 1e-12), n - 1)
+    starts = [round(Fraction(k * scheduled, n)) for k in range(n)] + [scheduled]
+    for step in range(scheduled + 40):
+        part = max(k for k in range(n) if step >= starts[k])
         expected = list(base[:n - part])
         if len(expected) > 1:
-            expected[-1] *= 1 - (n * x - part)
+            expected[-1] = float(Fraction(expected[-1]) * (1 - Fraction(step - starts[part], starts[part + 1] - starts[part])))
         assert train_gpt.mtp_weights_at(step, args) == pytest.approx(expected, abs=4 * UNIT_ROUNDOFF[torch.float64]), step
 
 

@@ -3,6 +3,7 @@ warm-up restore, errors."""
 
 import collections
 import copy
+import dataclasses
 import math
 import os
 import re
@@ -631,8 +632,8 @@ def test_each_optimizer_group_gets_its_lr():
     groups = {tuple(map(id, g["params"])): (g["lr"], g["wd_mul"], g["betas"]) for g in adam.param_groups}
     gates = [gate.weight for block in model.blocks if block.attn is not None
              for gate in (block.attn.attn_gate, block.attn.ve_gate) if gate is not None]
-    assert len(gates) == 5  # every attention layer's (0, 1, 3; 2 has none), and those of 0 and 3's value embeddings
-    tables = tuple(id(t.weight) for t in [*model.value_embeds, model.bigram_embed])
+    assert len(gates) == 5  # every attention layer's (0, 1, 3; 2 has none), and those of 1 and 3's value embeddings
+    tables = (id(model.value_embeds), id(model.bigram_embed.weight))
     assert groups == {(id(model.lm_head.weight),): (args.head_lr, 150.0, (0.5, 0.95)),
                       (id(model.embed.weight),): (args.embed_lr, 150.0, (0.5, 0.95)),
                       tables: (args.value_embed_lr, 5.0, (0.75, 0.95)),
@@ -750,11 +751,11 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2026-01-19 BigramHashEmbedding) choices, the forms every run
+    """The record preset keeps the published record's (2026-02-03 VeTuned) choices, the forms every run
     has fixed in constants; the project's own are settings."""
     args, _ = train_gpt.parse_args([], "record")
     assert (args.muon_lr, args.muon_neuron_beta2, args.muon_cautious_wd, args.skip_layers) == (0.023, 0.95, 1.2, "6")
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1600, 40, 0.55)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1547, 40, 0.55)
     assert args.num_layers == 11 and args.adam_eps == 1e-10
     assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
     assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr) == (0.008, 8e-5, 4e-4)
@@ -772,14 +773,18 @@ def test_record_preset_is_the_published_record():
     assert (train_gpt.LR_STAGE_PEAKS, train_gpt.MTP_WEIGHTS, train_gpt.UNTIE_EMBED_FRAC) == (
         (1.0, 1.52, 1.73), (1.0, 0.5, 0.25), 2 / 3)
     assert (train_gpt.MLP_DOWN_LR_MUL, train_gpt.RESIDUAL_LAMBDA_INIT) == (2.0, 1.1)
-    assert (train_gpt.ATTN_INIT_STD, train_gpt.HEAD_INIT_STD) == (1.0, 0.005)
+    assert (train_gpt.VE_INIT_STD, train_gpt.HEAD_INIT_STD) == (0.01, 0.005)
     assert train_gpt.ORTHOGONALIZATION_STEPS == 5  # Polar Express's
-    assert train_gpt.LM_HEAD_FP8_SCALES == (100 / 448, 1.6 / 448, 0.75 / 448)
-    model = train_gpt.GPT(train_gpt.GPTConfig(1024, 2, 1, 64, 64, 128, fp8=True))
-    assert model.lm_head.fp8_scales[2] == 0.75 / 448
+    assert train_gpt.LM_HEAD_FP8_SCALES == (100 / 448, 1.6 / 448, 0.75 / 448) and train_gpt.LOSS_SCALE == 2.0
+    for world_size, grad_s in ((1, 2 / 8 * 0.75 / 448), (8, 2 * 0.75 / 448)):  # the record's grad_scale * 0.75 / 448
+        plan = dataclasses.replace(train_gpt.plan_device(args, torch.device("cpu")), fp8=True)
+        model = train_gpt.build_model(dataclasses.replace(args, num_layers=2, model_dim=64, num_heads=1, head_dim=64,
+                                                          skip_layers="all", backout_layer=-1, paired_head_layers="none"),
+                                      128, plan, world_size)
+        assert model.lm_head.fp8_scales == (100 / 448, 1.6 / 448, grad_s), world_size
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
-    for shown in ("--num_iterations=1600", "--extension_steps=40", "--cooldown_frac=0.55",
+    for shown in ("--num_iterations=1547", "--extension_steps=40", "--cooldown_frac=0.55",
                   "--window_stages=3,7,11",
                   "--seq_len=16384,32768,49152", "--num_layers=11", "--logit_cap=23.0",
                   "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",
