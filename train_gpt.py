@@ -754,9 +754,9 @@ def u_layers(num_layers: int) -> tuple[int, int]:
 
 
 def value_embedding_layout(num_layers: int) -> list[int | None]:
-    """Each layer's value-embedding table, each table its own, as the records from 2026-02-03 place them: from layer 1
-    up, one on each of the first two layers of a quarter of the model's, then one on each of its last three (11 layers:
-    None, 0, 1, None x 5, 2, 3, 4; 4 layers: None, 0, None, 1)."""
+    """Each layer's value-embedding table, a table a layer, as the records from 2026-02-03 place them: on min(2, L // 4)
+    layers from layer 1 and on the last min(3, (L + 1) // 4) (11 layers: None, 0, 1, None x 5, 2, 3, 4; 4 layers:
+    None, 0, None, 1)."""
     first, last = min(2, num_layers // 4), min(3, (num_layers + 1) // 4)
     placed = [None] * num_layers
     for t, layer in enumerate([*range(1, 1 + first), *range(num_layers - last, num_layers)]):
@@ -1789,8 +1789,8 @@ def stage_bounds(step: int, parts: int, args: Hyperparameters) -> tuple[int, int
     """(k, first, end): step lies in part k of `parts` parts of the scheduled steps (all but the extension), steps first
     to end - 1, part k starting at round(k N / parts) (the records' from 2026-01-30); the extension in the last part."""
     scheduled = args.num_iterations - args.extension_steps
-    k = max(k for k in range(parts) if step >= round(k * scheduled / parts))
-    return k, round(k * scheduled / parts), round((k + 1) * scheduled / parts)
+    part = max(k for k in range(parts) if step >= round(k * scheduled / parts))
+    return part, round(part * scheduled / parts), round((part + 1) * scheduled / parts)
 
 
 def stage_at(step: int, stages: tuple, args: Hyperparameters):

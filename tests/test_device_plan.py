@@ -49,7 +49,8 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
             "the rest eager)") in eager.lines
     small = dataclasses.replace(args, model_dim=64, num_heads=2, head_dim=32, vocab_size=1000)
     model = train_gpt.build_model(small, 256, plan)  # built on the CPU, as the Trainer builds it before moving it
-    assert model.attention_backend == "flex" and model.lm_head.fp8_scales == train_gpt.LM_HEAD_FP8_SCALES
+    # the record's grad_s = grad_scale x 0.75 / 448, grad_scale 2 / (8 micro-steps) on one process
+    assert model.attention_backend == "flex" and model.lm_head.fp8_scales == (100 / 448, 1.6 / 448, 2 / 8 * 0.75 / 448)
     assert model.embed.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16  # the record's bf16 head
     assert {p.dtype for block in model.blocks for p in block.mlp.parameters()} == {torch.bfloat16}  # and matrices
     adam, muon = train_gpt.build_optimizers(model, small, plan=plan)

@@ -528,8 +528,8 @@ class RescaleSpy:
 
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
-    cpu_changes = [(51, (2, 4)), (102, (4, 8)), (153, (8, 16)), (204, (16, 32))]  # ceil(254 k / 5)
-    for args, expected in ((RECORD, [(520, (3, 7)), (1040, (7, 11)), (1560, (11, 13))]),
+    cpu_changes = [(51, (2, 4)), (102, (4, 8)), (152, (8, 16)), (203, (16, 32))]  # round(254 k / 5)
+    for args, expected in ((RECORD, [(502, (3, 7)), (1005, (7, 11)), (1507, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):
