@@ -1789,8 +1789,9 @@ def stage_bounds(step: int, parts: int, args: Hyperparameters) -> tuple[int, int
     """(k, first, end): step lies in part k of `parts` parts of the scheduled steps (all but the extension), steps first
     to end - 1, part k starting at round(k N / parts) (the records' from 2026-01-30); the extension in the last part."""
     scheduled = args.num_iterations - args.extension_steps
-    part = max(k for k in range(parts) if step >= round(k * scheduled / parts))
-    return part, round(part * scheduled / parts), round((part + 1) * scheduled / parts)
+    starts = [round(k * scheduled / parts) for k in range(parts + 1)]
+    part = max(k for k in range(parts) if step >= starts[k])
+    return part, starts[part], starts[part + 1]
 
 
 def stage_at(step: int, stages: tuple, args: Hyperparameters):
