@@ -390,8 +390,8 @@ def describe_run(trainer) -> list[str]:
         lines.append("distributed: world size 1, no gradient communication")
     lines.append(f"batch: {args.batch_slots} sequences x {'/'.join(map(str, args.seq_len))} tokens per step "
                  f"{'(stages in equal parts of training) ' if len(args.seq_len) > 1 else ''}= {world_size} ranks x "
-                 f"{trainer.grad_accum_steps} micro-steps; " + (f"documents packed, each clipped to {args.packed_doc_len} tokens"
-                                                                if args.packed_doc_len else "consecutive tokens"))
+                 f"{trainer.grad_accum_steps} micro-steps; " + (f"documents packed, each clipped to {'/'.join(map(str, args.packed_doc_len))} tokens"
+                                                                if any(args.packed_doc_len) else "consecutive tokens"))
     scales = ", ".join(f"{window}: {scale:.7f}" for window, scale in model.attention_scales.items())
     lines.append(f"windows (units of {args.window_unit} tokens; short layers half): {', '.join(map(str, args.window_stages))} "
                  f"in equal parts of training, {args.final_window} for the final validation; softmax scale by window {scales}; "

@@ -89,16 +89,22 @@ def settle_vector_math():
     torch.ones(SETTLE_ELEMENTS_PER_THREAD * torch.get_num_threads()).exp()
 
 
+def float32(value: float) -> float:
+    """value rounded to float32, as a Python float: a record's float32 constant, exact in float32 arithmetic."""
+    return float(np.float32(value))
+
+
 # ------------------------------------------------------------------------------------------------
-# FP8 matmul as custom ops (the lm_head): x, w in e4m3 forward, the gradient in e5m2 backward, each
-# divided by the record's fixed scale.
+# FP8 matmul as custom ops (the lm_head's in training, inside the loss: SoftcappedLoss): x, w in e4m3
+# forward, the gradient in e5m2 backward, each divided by the record's fixed scale.
 
 LOGIT_SOFTCAP = 23.0  # logits = LOGIT_SOFTCAP * sigmoid((z + LOGIT_OFFSET) / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
 LOGIT_OFFSET = 5.0  # (records from 2025-12-26; 30 and 0 before)
 LOGIT_SOFTCAP_SPREAD = 7.5
 LM_HEAD_FP8_SCALES = (100 / 448, 1.6 / 448, 0.75 / 448)  # the record's (x, w, grad) scales (records from 2025-12-29),
 # the grad's times the loss scale (from 2026-01-30)
-LOSS_SCALE = 2.0  # training backpropagates each micro-batch's summed loss times this / accumulation steps (2026-01-30)
+LOSS_SCALE = 1.0  # training backpropagates each micro-batch's summed loss times this / accumulation steps (2026-01-30;
+# 2 until 2026-02-10)
 
 
 def softcap(z: Tensor, in_z_dtype: bool = False, cap: float = LOGIT_SOFTCAP, offset: float = LOGIT_OFFSET) -> Tensor:
@@ -116,9 +122,8 @@ def _fp8_forward(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, 
     return out, x_f8, w_f8
 
 
-def _fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    scale = lambda s: g.new_tensor(s, dtype=torch.float32)
-    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+def _fp8_backward(g_f8: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    scale = lambda s: g_f8.new_tensor(s, dtype=torch.float32)
     # _scaled_mm wants its first operand row-major and its second column-major
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
                               scale_a=scale(grad_s), scale_b=scale(w_s))
@@ -135,53 +140,37 @@ def compiled_on_first_use(fn):
 
 
 @torch.library.custom_op("nanogpt::fp8_mm", mutates_args=())
-def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x @ w.T in FP8 -> (bf16 result, x in e4m3, w in e4m3). x: (N, in), w: (out, in)."""
     return (compiled_on_first_use(_fp8_forward) if x.is_cuda else _fp8_forward)(x, w, x_s, w_s)
 
 
 @fp8_mm.register_fake
-def _(x, w, x_s, w_s, grad_s):
+def _(x, w, x_s, w_s):
     # The real op always returns bf16, whatever the input dtype; the fake must agree.
     return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
             torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
 
 
 @torch.library.custom_op("nanogpt::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """Gradients of fp8_mm: (grad_x in bf16, grad_w in fp32)."""
-    return (compiled_on_first_use(_fp8_backward) if g.is_cuda else _fp8_backward)(g, x_f8, w_f8, x_s, w_s, grad_s)
+def fp8_mm_backward(g_f8: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm from the output's gradient g_f8 in e5m2, divided by grad_s: (grad_x in bf16, grad_w in
+    fp32)."""
+    return (compiled_on_first_use(_fp8_backward) if g_f8.is_cuda else _fp8_backward)(g_f8, x_f8, w_f8, x_s, w_s, grad_s)
 
 
 @fp8_mm_backward.register_fake
-def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+def _(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
     # grad_w is the transpose of a row-major (in, out) result; the fake must have the same strides
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
             w_f8.new_empty(w_f8.shape[::-1], dtype=torch.float32).T)
-
-
-def _fp8_mm_setup_context(ctx, inputs, output):
-    _, _, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.save_for_backward(x_f8, w_f8)
-    ctx.scales = (x_s, w_s, grad_s)
-    ctx.set_materialize_grads(False)
-
-
-def _fp8_mm_autograd_backward(ctx, grad_out, *_):
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.nanogpt.fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
-    return grad_x, grad_w, None, None, None
-
-
-fp8_mm.register_autograd(_fp8_mm_autograd_backward, setup_context=_fp8_mm_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------
 # Optimizers: Muon for hidden matrices, the record's Adam for everything else
 
 # Polar Express (arXiv 2505.16932), 5 iterations, safety factor 2e-2, cushion 2: one (a, b, c) per
-# iteration of X <- a*X + (b*A + c*A^2)*X with A = X*X^T.
+# iteration of X <- a*X + (b*A + c*A^2)*X with A = X*X^T (a tall X: X*(b*A + c*A^2) with A = X^T*X).
 POLAR_EXPRESS_COEFFS = [
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -199,20 +188,18 @@ def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16, add_apart: boo
     amplifies tiny differences). add_apart: a X + B X as B X, then a X added (two roundings), as the records from
     2025-12-11 do for MLPs."""
     X = G.to(dtype)
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:  # iterate on the smaller Gram matrix
-        X = X.mT
+    tall = X.size(-2) > X.size(-1)  # then the smaller Gram matrix is X^T X, multiplied from the right (from 2026-02-16)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
     # Each line rounds once, as the record's kernels do: A = X X^T, B = b A + c A A^T, X = a X + B X, the last two as
     # one scaled product and sum each (add_apart: the last twice); a lone matrix as a stack of one, as the record's.
     shape = X.shape
     X = X.reshape(-1, *shape[-2:]).contiguous()
     for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = X @ X.mT
+        A = X.mT @ X if tall else X @ X.mT
         B = torch.baddbmm(A, A, A.mT, beta=b, alpha=c)
-        X = torch.bmm(B, X).add_(X, alpha=a) if add_apart else torch.baddbmm(X, B, X, beta=a)
-    X = X.view(shape)
-    return X.mT if transposed else X
+        left, right = (X, B) if tall else (B, X)
+        X = torch.bmm(left, right).add_(X, alpha=a) if add_apart else torch.baddbmm(X, left, right, beta=a)
+    return X.view(shape)
 
 
 def orthogonalization_flops(shape) -> int:
@@ -321,7 +308,8 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            state["momentum_buffer"].lerp_(p.grad.float(), 1 - momentum)
+            # 1 - momentum in float32, as the record's fused update makes it (from 2026-02-16)
+            state["momentum_buffer"].lerp_(p.grad.float(), float32(1 - np.float32(momentum)))
         in_flight = None
         for round_params in self.rounds:
             size = max(p.numel() for p in round_params if p is not None)
@@ -469,21 +457,17 @@ def init_bound(fan_in: int, std_scale: float = 0.5) -> float:
 
 
 class CastedLinear(nn.Linear):
-    """A bias-free linear layer with fp32 weights cast to the activations' dtype; in training, the FP8
-    matmul when given its (x, w, grad) scales. Zero-initialized, drawing nothing (records from 2025-10-27)."""
+    """A bias-free linear layer with its weights cast to the activations' dtype. Zero-initialized, drawing nothing
+    (records from 2025-10-27)."""
 
-    def __init__(self, in_features: int, out_features: int, fp8_scales: tuple[float, float, float] | None = None):
+    def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.fp8_scales = fp8_scales
 
     def reset_parameters(self):
         with torch.no_grad():
             self.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fp8_scales is not None and self.training:
-            out = fp8_mm(x.flatten(0, -2), self.weight, *self.fp8_scales)[0]
-            return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.type_as(x))
 
 
@@ -634,7 +618,7 @@ def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None
 
 
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the 2026-01-19 record's hash: these times the token and the one before it
-BIGRAM_LAMBDA_INIT = 0.1  # the records' bigram embedding joins each layer's input at a tenth (from 2026-01-19)
+BIGRAM_LAMBDA_INIT = 0.05  # the records' bigram embedding joins the stream at this weight (from 2026-02-12; 0.1 before)
 BIGRAM_ROWS_PER_TOKEN = 5  # its table: 5 rows per (padded) vocabulary entry, 5 x 50304 in the records
 
 
@@ -734,17 +718,16 @@ class Block(nn.Module):
                      if has_attention else None)
         self.mlp = MLP(model_dim, matrix_dtype)
 
-    def forward(self, x: Tensor, x0: Tensor | None, ve: Tensor | None, resid_lambda: Tensor, x0_lambda: Tensor,
-                attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache, positions: int | Tensor,
-                restarts: Tensor | None, bigram: Tensor, bigram_lambda: Tensor) -> Tensor:
-        """x0: the embeddings, None in the first layer, where x is x0 and the two lambdas are summed (the record);
-        bigram: the bigram embedding, added times its lambda (records from 2026-01-19)."""
-        x = (resid_lambda + x0_lambda) * x if x0 is None else resid_lambda * x + x0_lambda * x0
-        x = x + bigram_lambda * bigram
+    def forward(self, x: Tensor, attention_input: Tensor, ve: Tensor | None, resid: Tensor, post: Tensor,
+                injected: Tensor | None, attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache,
+                positions: int | Tensor, restarts: Tensor | None) -> Tensor:
+        """Each sub-layer scales the stream by resid and adds its output times post (per attention, MLP: the records
+        from 2026-02-12); injected (the embeddings' and the bigram's shares) joins after attention. attention_input:
+        what the attention reads, the stream itself or an earlier state of it (GPT.trunk)."""
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
-        x = x + self.mlp(norm(x))
-        return x
+            y = self.attn(norm(attention_input), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
+            x = resid[0] * x + post[0] * y + injected
+        return resid[1] * x + post[1] * self.mlp(norm(x))
 
 
 def u_layers(num_layers: int) -> tuple[int, int]:
@@ -822,12 +805,15 @@ def targets_ahead(targets: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return ahead, torch.arange(T, device=targets.device)[:, None] + torch.arange(n, device=targets.device) < T
 
 
-LOSS_BLOCK = 1024  # the columns the records' fused loss kernel (from 2026-01-16) takes at a time
+LOSS_BLOCK = 2048  # the columns the record's fused loss kernel takes at a time in its log-sum-exp
 
 
 def kernel_softcap(logits: Tensor, cap: float, offset: float) -> tuple[Tensor, Tensor]:
-    """(cap s, s), s = sigmoid((z + offset) / 7.5) in float32 as the fused kernel writes it: 1 / (1 + exp(-u))."""
-    s = 1 / (1 + torch.exp(-((logits.float() + offset) / LOGIT_SOFTCAP_SPREAD)))
+    """(cap s, s), s = sigmoid(z / 7.5 + offset / 7.5) in float32 as the fused kernel writes it: 1 / (1 + exp(-u)), both
+    divisions products with 7.5's float32 reciprocal (the records from 2026-02-02)."""
+    inv_spread = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))
+    u = logits.float() * inv_spread + float32(np.float32(offset) * np.float32(inv_spread))
+    s = 1 / (1 + torch.exp(-u))
     return cap * s, s
 
 
@@ -846,47 +832,61 @@ def blockwise_logsumexp(z: Tensor) -> Tensor:
 
 
 class SoftcappedLoss(torch.autograd.Function):
-    """Training's loss as the records from 2026-01-16 compute it (their fused kernel's math, in PyTorch): each
-    position's cross-entropies against the next len(weights) targets of the float32 softcapped logits, weighted and
-    summed in order (multi-token prediction, records from 2025-12-22); the gradient of the raw logits made from the
-    saved logits and log-sum-exps in float32 in the kernel's order of operations, rounded once to the logits' dtype."""
+    """Training's lm_head and loss as the records from 2026-01-24 compute them (their fused kernel's math, in PyTorch):
+    the logits x @ w^T (FP8, fp8_mm, given fp8_scales (x_s, w_s, grad_s)); each position's cross-entropies against the
+    next len(weights) targets of the float32 softcapped logits, weighted and summed in order (multi-token prediction,
+    records from 2025-12-22). The logits' gradient is made in float32 from the saved logits and log-sum-exps in the
+    kernel's order of operations, divided by grad_s and rounded once: to e5m2 with FP8, else to the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, weights: Tensor, cap: float, offset: float) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, offset: float,
+                fp8_scales: tuple[float, float, float] | None = None) -> Tensor:
+        if fp8_scales is None:
+            logits = F.linear(x, w)
+        else:
+            logits, x, w = fp8_mm(x, w, *fp8_scales[:2])  # the matmul's operands as the backward takes them: in e4m3
         z = kernel_softcap(logits, cap, offset)[0]
         lse = blockwise_logsumexp(z)
         ahead, valid = targets_ahead(targets, weights.numel())
         losses = torch.zeros_like(lse)
         for k in range(weights.numel()):
             losses = losses + torch.where(valid[:, k], weights[k] * (lse - z.gather(1, ahead[:, k:k + 1])[:, 0]), 0)
-        ctx.save_for_backward(logits, lse, targets, weights)
-        ctx.cap, ctx.offset = cap, offset
+        ctx.save_for_backward(logits, lse, targets, weights, x, w)
+        ctx.cap, ctx.offset, ctx.fp8_scales = cap, offset, fp8_scales
         return losses
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, lse, targets, weights = ctx.saved_tensors
+        logits, lse, targets, weights, x, w = ctx.saved_tensors
+        fp8 = ctx.fp8_scales is not None
+        grad_s = ctx.fp8_scales[2] if fp8 else 1.0
         z, s = kernel_softcap(logits, ctx.cap, ctx.offset)
-        d_softcap = ((1 / LOGIT_SOFTCAP_SPREAD) * z) * (1 - s)
+        inv_spread = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))
+        row_scale = (grad * float32(np.float32(1) / np.float32(grad_s)) * float32(np.float32(inv_spread) * np.float32(ctx.cap)))[:, None]
         ahead, valid = targets_ahead(targets, weights.numel())
         weight_sum = torch.zeros_like(lse)
         for k in range(weights.numel()):
             weight_sum = weight_sum + torch.where(valid[:, k], weights[k], 0)
-        softmax = torch.exp(z - lse[:, None])
-        grad_logits = (grad[:, None] * (weight_sum[:, None] * softmax) * d_softcap).to(logits.dtype)
+        scaled_softmax = weight_sum[:, None] * torch.exp(z - lse[:, None])
+        grad_logits = row_scale * scaled_softmax * s * (1 - s)
         # At each target, the weights of every k aiming there taken away, summed in k's order, as the kernel does.
         for k in range(weights.numel()):
             column = ahead[:, k:k + 1]
             aimed = torch.zeros_like(lse)
             for j in range(weights.numel()):
                 aimed = aimed + torch.where(valid[:, j] & (ahead[:, j] == column[:, 0]), weights[j], 0)
-            at = (grad[:, None] * (weight_sum[:, None] * softmax.gather(1, column) - aimed[:, None])
-                  * d_softcap.gather(1, column)).to(logits.dtype)
+            s_at = s.gather(1, column)
+            at = row_scale * (scaled_softmax.gather(1, column) - aimed[:, None]) * s_at * (1 - s_at)
             grad_logits.scatter_(1, column, torch.where(valid[:, k:k + 1], at, grad_logits.gather(1, column)))
-        return grad_logits, None, None, None, None
+        if fp8:
+            grad_x, grad_w = fp8_mm_backward(grad_logits.to(torch.float8_e5m2), x, w, *ctx.fp8_scales)
+        else:
+            grad_logits = grad_logits.to(logits.dtype)
+            grad_x, grad_w = grad_logits.mm(w), grad_logits.t().mm(x)
+        return grad_x, grad_w, None, None, None, None, None
 
 
-RESIDUAL_LAMBDA_INIT = 1.1  # each block's input is a x + b x0, a from this and b from 0 (records from 2025-11-18)
+RESIDUAL_LAMBDA_INIT = 1.1**0.5  # each sub-layer scales the stream by this before adding its output, 1.1 a layer (from 2026-02-12)
 HEAD_INIT_STD = 0.005  # the lm_head starts normal with this std (records from 2025-12-19)
 VE_INIT_STD = 0.01  # the value embeddings start normal with this std (records from 2026-02-03; zero before)
 
@@ -971,7 +971,8 @@ class GPT(nn.Module):
         draw_matrices(blocks, D)
         self.logit_cap, self.logit_offset = c.logit_cap, c.logit_offset
         x_s, w_s, grad_s = LM_HEAD_FP8_SCALES
-        lm_head = CastedLinear(D, padded_vocab, (x_s, w_s, c.loss_scale * grad_s) if c.fp8 else None)
+        self.fp8_scales = (x_s, w_s, c.loss_scale * grad_s) if c.fp8 else None  # the lm_head's in training
+        lm_head = CastedLinear(D, padded_vocab)
         with torch.no_grad():  # drawn as the record stores it from 2026-01-18, (model_dim, vocab), in its dtype
             lm_head.weight.copy_(torch.empty(D, padded_vocab, dtype=c.dtype).normal_(0, HEAD_INIT_STD).T)
         embed = nn.Embedding(padded_vocab, D)
@@ -984,22 +985,24 @@ class GPT(nn.Module):
             self.bigram_embed.weight.zero_()
         self.embed, self.smear_gate = embed, smear_gate
         self.register_parameter("value_embeds", value_embeds)
-        # Scalars, one Adam tensor: per layer the residual stream's lambda, those on attention's (q k v, output)
-        # weights and on the bigram embedding, then the smear's and (where on) the backout's lambdas, and the U-net
-        # skip weights. The x0 lambdas are a tensor of their own: the records give them other betas.
+        # Scalars, one Adam tensor: per layer the lambdas on attention's (q k v, output) weights, then the smear's and
+        # (where on) the backout's lambdas, and the U-net skip weights. The stream's lambdas, per layer, are tensors
+        # of their own, as the records' Adam treats them (from 2026-02-12): per sub-layer (attention, MLP) the
+        # stream's scale and its output's weight, and the weights of x0 and the bigram embedding.
         self.backout_layer = c.backout_layer
         self.num_skip_weights = len(skip_receivers(L))
-        self.smear_index = 4 * L
+        self.smear_index = 2 * L
         self.backout_index = self.smear_index + 1
         self.scalars = nn.Parameter(torch.cat([
-            torch.full((L,), RESIDUAL_LAMBDA_INIT),
             torch.tensor([0.5, 1.0]).repeat(L),
-            torch.full((L,), BIGRAM_LAMBDA_INIT),
             torch.zeros(1),
             torch.full((int(c.backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
             torch.full((self.num_skip_weights,), SKIP_GATE_INIT),
         ]))
+        self.resid_lambdas = nn.Parameter(torch.full((L, 2), RESIDUAL_LAMBDA_INIT))
+        self.post_lambdas = nn.Parameter(torch.ones(L, 2))
         self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        self.bigram_lambdas = nn.Parameter(torch.full((L,), BIGRAM_LAMBDA_INIT))
         self.skip_gate = skip_gate
         self.blocks = blocks
         # U-net skips: decoder layer i adds skip_partner(i)'s output, weighted by skip weight i - (first decoder layer).
@@ -1027,10 +1030,9 @@ class GPT(nn.Module):
         if not self.training:
             return chunked_eval_loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq, self.logit_cap,
                                      self.logit_offset) / target_seq.numel()
-        logits = self.lm_head(norm(x))
         weights = torch.ones(1, device=x.device) if mtp_weights is None else mtp_weights
-        return SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), target_seq, weights, self.logit_cap,
-                                    self.logit_offset).sum()
+        return SoftcappedLoss.apply(norm(x).view(-1, x.size(-1)), self.lm_head.weight, target_seq, weights,
+                                    self.logit_cap, self.logit_offset, self.fp8_scales).sum()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -1039,8 +1041,7 @@ class GPT(nn.Module):
         restarts (T,) bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0,
         the smear passing nothing into it (with an EOT there, attention already stops)."""
         L, S = self.num_layers, self.num_skip_weights
-        resid_lambdas = self.scalars[:L]
-        attn_lambdas = self.scalars[L:3 * L].view(L, 2)
+        attn_lambdas = self.scalars[:2 * L].view(L, 2)
         skip_weights = self.scalars[self.scalars.numel() - S:]
         masks = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
                                          long_window=long_window, paired=any(self.paired))
@@ -1056,10 +1057,13 @@ class GPT(nn.Module):
         # Generation's new tokens are hashed after the cached ones.
         seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
         bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
-        bigram_lambdas = self.scalars[3 * L:4 * L]
         x = self.smear(self.embed(tokens), self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None,
                        restarts)
         x = x0 = norm(x[None])
+        # The stream's lambdas in its dtype, as the records multiply them (from 2026-02-12).
+        resid, post, x0_lambdas, bigram_lambdas = (lambdas.type_as(x) for lambdas in (
+            self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas))
+        x = x + bigram * bigram_lambdas[0]  # the bigram embedding: once here, then after each later layer's attention
         skips, backout = {}, None
         partners = {skip_partner(L, i): i for i in self.skip_layers}
         first_decoder = skip_receivers(L).start
@@ -1070,9 +1074,12 @@ class GPT(nn.Module):
                 gate = gate * 2 * torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features]))
                 x = x + gate * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]][None] if self.ve_layout[i] is not None else None
-            x = self.blocks[i](x, x0 if i else None, layer_ve, resid_lambdas[i], self.x0_lambdas[i], attn_lambdas[i],
-                               masks[self.paired[i], self.long_window[i]], self.rotary, scale,
-                               None if cache is None else cache.layers[i], positions, restarts, bigram, bigram_lambdas[i])
+            injected = None if self.blocks[i].attn is None else (
+                x0 * x0_lambdas[i] if i == 0 else x0 * x0_lambdas[i] + bigram * bigram_lambdas[i])
+            # Past the backout layer, attention reads the stream as that layer left it (records from 2026-03-06).
+            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i], injected,
+                               attn_lambdas[i], masks[self.paired[i], self.long_window[i]], self.rotary, scale,
+                               None if cache is None else cache.layers[i], positions, restarts)
             if i in partners:
                 skips[partners[i]] = x
             if i == self.backout_layer:
@@ -1284,8 +1291,8 @@ def shard_paths(pattern: str, what: str) -> list[Path]:
 
 class TokenStream:
     """Each step's batch: num_slots sequences of seq_len + 1 tokens (each step's own, at most max_seq_len), rank r of W
-    taking slots r, r + W, ...: consecutive tokens, or packed documents (the record). A shard is read when first
-    needed, on the clock, as the record does."""
+    taking slots r, r + W, ...: consecutive tokens, or packed documents (the record), each clipped to packed_doc_len
+    tokens or the batch's own clip, not shorter. A shard is read when first needed, on the clock, as the record does."""
 
     def __init__(self, pattern: str, max_seq_len: int, num_slots: int, device: torch.device, vocab_size: int,
                  pin_memory: bool = False, packed_doc_len: int = 0):
@@ -1308,7 +1315,7 @@ class TokenStream:
         self.shard_length = len(self.tokens)
         if self.packed_doc_len:  # the constructor checked an unpacked shard's length
             self.doc_starts = np.flatnonzero(self.tokens.numpy() == EOT_TOKEN)
-            if self._packed_segments(0, self.max_seq_len) is None:
+            if self._packed_segments(0, self.max_seq_len, self.packed_doc_len) is None:
                 raise DataError(f"{self.paths[index]}: its documents, clipped to packed_doc_len={self.packed_doc_len} "
                                 f"tokens, cannot fill one batch of {self.num_slots} x {self.max_seq_len + 1} tokens "
                                 f"(pass --packed_doc_len=0 for consecutive tokens)")
@@ -1342,9 +1349,9 @@ class TokenStream:
         self.pos = 0
         self._read(self.shard_index)
 
-    def _packed_segments(self, pos: int, seq_len: int) -> tuple[list[list[tuple[int, int]]], int] | None:
-        """Each slot's (start, end) document segments from the first document at or after pos, and
-        where the next batch starts; None when the shard's documents run out first."""
+    def _packed_segments(self, pos: int, seq_len: int, doc_len: int) -> tuple[list[list[tuple[int, int]]], int] | None:
+        """Each slot's (start, end) document segments from the first document at or after pos, each clipped to doc_len
+        tokens, and where the next batch starts; None when the shard's documents run out first."""
         starts, i = self.doc_starts, int(np.searchsorted(self.doc_starts, pos))
         slots = []
         for _ in range(self.num_slots):
@@ -1354,23 +1361,26 @@ class TokenStream:
                     return None
                 start = int(starts[i])
                 end = min(int(starts[i + 1]) if i + 1 < len(starts) else self.shard_length,
-                          start + self.packed_doc_len, start + missing)
+                          start + doc_len, start + missing)
                 segments.append((start, end))
                 missing -= end - start
                 i += 1
             slots.append(segments)
         return slots, int(starts[i]) if i < len(starts) else self.shard_length
 
-    def next_batch(self, rank: int, world_size: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
+    def next_batch(self, rank: int, world_size: int, seq_len: int, doc_len: int | None = None) -> list[tuple[Tensor, Tensor]]:
+        """doc_len: packed documents' clip in this batch (the records' shorter first stage), at least the stream's
+        packed_doc_len; None: that."""
+        doc_len = doc_len or self.packed_doc_len
         if seq_len > self.max_seq_len:
             raise ValueError(f"seq_len={seq_len} is above the stream's max_seq_len={self.max_seq_len}")
         if self.packed_doc_len:
             if self.tokens is None:
                 self._read(self.shard_index)
-            packed = self._packed_segments(self.pos, seq_len)
+            packed = self._packed_segments(self.pos, seq_len, doc_len)
             if packed is None:
                 self._next_shard()
-                packed = self._packed_segments(0, seq_len)
+                packed = self._packed_segments(0, seq_len, doc_len)
             slots, self.pos = packed
             mine = [torch.cat([self.tokens[start:end] for start, end in segments]) for segments in slots[rank::world_size]]
         else:
@@ -1403,7 +1413,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-02-03 VeTuned); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2026-03-22 VarlenMaxDocs); presets override some of them
 
 
 @dataclass
@@ -1415,11 +1425,11 @@ class Hyperparameters:
     seq_len: tuple = (16 * 1024, 32 * 1024, 48 * 1024)  # training tokens per sequence, one per equal part of the scheduled steps, the last also for the extension (batch stages: records from 2025-11-29)
     val_seq_len: int = 4 * 64 * 1024  # tokens per validation sequence
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
-    packed_doc_len: int = 2048  # training sequences pack documents from their first token, each clipped to this many tokens; 0: consecutive tokens
+    packed_doc_len: tuple = (896, 2048, 2048)  # training sequences pack documents from their first token, each clipped to this many tokens, one per equal part as seq_len (896 first: records from 2026-02-10); 0: consecutive tokens
     # schedule
-    num_iterations: int = 1547  # optimizer steps
+    num_iterations: int = 1490  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
-    cooldown_frac: float = 0.55  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to 0.1x
+    cooldown_frac: float = 0.6  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to LR_FLOOR
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
     window_stages: tuple = (3, 7, 11)  # long sliding window in window units, one per equal part of the scheduled steps; short-window layers get half (rounded down)
@@ -1444,7 +1454,8 @@ class Hyperparameters:
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.008  # Adam lr for the token embedding, once untied
     value_embed_lr: float = 0.6  # Adam lr for the value embeddings and the bigram embedding (the records give both the same)
-    scalar_lr: float = 0.04  # Adam lr for skip weights and mixing lambdas
+    scalar_lr: float = 0.04  # Adam lr for the skip weights, the smear's, backout's and attention's lambdas and the stream's scales
+    lambda_lr: float = 0.008  # Adam lr for the weights of the sub-layers' outputs, x0 and the bigram embedding in the stream
     gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
     skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
@@ -1454,7 +1465,7 @@ class Hyperparameters:
     muon_momentum_end: float = 0.95  # Muon momentum after the warm-up
     muon_momentum_warmup_steps: int = 300  # steps over which the momentum rises linearly
     muon_momentum_cooldown_steps: int = 50  # the last steps, over which it falls linearly back to muon_momentum_start (records from 2025-09-30)
-    muon_neuron_beta2: float = 0.95  # NorMuon (Li et al., 2025) as the records from 2025-10-27 compute it: EMA decay of each neuron's update mean square; 0: off
+    muon_neuron_beta2: float = 0.9  # NorMuon (Li et al., 2025) as the records from 2025-10-27 compute it: EMA decay of each neuron's update mean square; 0: off
     muon_cautious_wd: float = 1.2  # cautious weight decay on Muon's matrices (Chen et al., 2025), x the lr: p -= lr' (v + lr wd mask p) (records from 2025-11-10); 0: off
     # systems
     dtype: str = "bfloat16"  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
@@ -1482,7 +1493,7 @@ PRESETS = {
         seq_len=(512, 1024, 1536),  # the record's batch stages, 1 : 2 : 3
         val_seq_len=1024,
         batch_slots=2,  # per token, 2 x 1024 a step learned the most of 1, 2, 4 and 8 x 1024 (before the stages)
-        packed_doc_len=0,  # documents are whole plays: clipped ones would skip most tokens
+        packed_doc_len=(0,),  # documents are whole plays: clipped ones would skip most tokens
         num_iterations=260,
         extension_steps=6,  # the record's 40 of 1600 steps, scaled
         cooldown_frac=1.0,  # the decay from the first step (within each stage's peak): lower losses than 0.6-0.9
@@ -1508,6 +1519,7 @@ PRESETS = {
         embed_lr=0.11 / 128**0.5,  # the lm_head's, as the record's (the embedding starts as its copy)
         value_embed_lr=0.3,  # Adam lrs x0.5 of the record's (the bigram table's too): better at 2 x 1024 tokens a step
         scalar_lr=0.02,
+        lambda_lr=0.004,
         muon_lr=0.025,  # x the shape factors: attention 0.025, the MLP's up 0.05 and down 0.1 (MLP_DOWN_LR_MUL)
         muon_momentum_warmup_steps=30,  # set for 85 steps of 8 x 1024, kept since; unmeasured against the record's 300 scaled
         muon_momentum_cooldown_steps=8,  # the record's 50 of 1600 steps, scaled
@@ -1614,8 +1626,9 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
         raise ConfigError(f"window_stages={','.join(map(str, args.window_stages))}, final_window={args.final_window} and "
                           f"window_unit={args.window_unit} must be at least 1")
-    if args.packed_doc_len < 0:
-        raise ConfigError(f"packed_doc_len={args.packed_doc_len} must be >= 0 (0: consecutive tokens)")
+    if not args.packed_doc_len or min(args.packed_doc_len) < 0 or 0 in args.packed_doc_len and any(args.packed_doc_len):
+        raise ConfigError(f"packed_doc_len={','.join(map(str, args.packed_doc_len))} must be positive (packed documents, "
+                          f"one clip per stage) or 0 (consecutive tokens)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1742,9 +1755,10 @@ def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None
     return GPT(gpt_config(args, max_seq_len, plan, world_size))
 
 
-# Adam's betas by parameter kind (the records' from 2026-01-04), and its cautious weight decay (from 2025-12-18), times
-# lr^2 and each kind's multiplier (these from 2025-12-29; the other kinds' 0). value_embeds: the bigram table's too.
-ADAM_BETAS = dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), x0=(0.65, 0.95))
+# Adam's betas by parameter kind (the records' from 2026-01-04; the stream's lambdas' from 2026-02-12), and its cautious
+# weight decay (from 2025-12-18), times lr^2 and each kind's multiplier (these from 2025-12-29; the other kinds' 0).
+# value_embeds: the bigram table's too.
+ADAM_BETAS = dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), stream=(0.9, 0.95))
 ADAM_CAUTIOUS_WD = 0.005
 ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
 ADAM_EVERY = 2  # Adam steps every 2nd step, on the two steps' summed gradients (records from 2025-09-30)
@@ -1767,8 +1781,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
         dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
         dict(params=[model.smear_gate.weight], lr=args.smear_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.skip_gate.weight], lr=args.skip_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
-        dict(params=[model.x0_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["x0"]),
         dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
+        dict(params=[model.resid_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
+        dict(params=[model.post_lambdas, model.x0_lambdas, model.bigram_lambdas], lr=args.lambda_lr, wd_mul=0.0,
+             betas=ADAM_BETAS["stream"]),
     ]
     adam = Adam(groups, eps=args.adam_eps, weight_decay=ADAM_CAUTIOUS_WD, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start,
@@ -1805,8 +1821,14 @@ def seq_len_at(step: int, args: Hyperparameters) -> int:
     return stage_at(step, args.seq_len, args)
 
 
+def doc_len_at(step: int, args: Hyperparameters) -> int:
+    """The clip of each packed document at step: its stage's (0: consecutive tokens)."""
+    return stage_at(step, args.packed_doc_len, args)
+
+
 LR_STAGE_PEAKS = (1.0, 1.52, 1.73)  # the lr multiplier before the cooldown in each third of the scheduled steps
 # (records from 2025-11-29)
+LR_FLOOR = 0.15  # the multiplier the cooldown ends at, kept through the extension (records from 2026-02-10; 0.1 before)
 MTP_WEIGHTS = (1.0, 0.5, 0.25)  # multi-token prediction's weights of the next 1, 2, 3 tokens (records from 2025-12-22)
 UNTIE_EMBED_FRAC = 2 / 3  # the embedding is tied to the lm_head until Adam's first step from this fraction of the
 # scheduled steps (records from 2025-12-22)
@@ -1814,17 +1836,17 @@ UNTIE_EMBED_FRAC = 2 / 3  # the embedding is tied to the lm_head until Adam's fi
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
     """The stage's peak (LR_STAGE_PEAKS, each from its part's first step), then from step int(N (1 - cooldown_frac))
-    linear from it toward 0.1 at the end of the N scheduled steps; 0.1 through the extension (the records' from
-    2026-01-30)."""
+    linear from it toward LR_FLOOR at the end of the N scheduled steps; LR_FLOOR through the extension (the records'
+    from 2026-01-30)."""
     scheduled = args.num_iterations - args.extension_steps
     if step >= scheduled:
-        return 0.1
+        return LR_FLOOR
     peak = stage_at(step, LR_STAGE_PEAKS, args)
     cooldown_start = int(scheduled * (1 - args.cooldown_frac))
     if step < cooldown_start:
         return peak
     t = (step - cooldown_start) / (scheduled - cooldown_start)
-    return peak * (1 - t) + 0.1 * t
+    return peak * (1 - t) + LR_FLOOR * t
 
 
 def window_at(step: int, args: Hyperparameters) -> int:
@@ -2105,14 +2127,15 @@ def training_loop(trainer: Trainer, stream: TokenStream, val_sequences: Tensor, 
             t0 = time.perf_counter()
         if last:
             break
-        seq_len = seq_len_at(step, args)
+        seq_len, doc_len = seq_len_at(step, args), doc_len_at(step, args)
         if clock.stage != f"{seq_len}x{trainer.window}":  # each stage's time its own: a sync at its start
             pause_clock()
             clock.stage = f"{seq_len}x{trainer.window}"
-            log(f"stage {clock.stage}: from step {step}, {args.batch_slots} x {seq_len} tokens a step, long window "
-                f"{trainer.window} x {args.window_unit} tokens")
+            log(f"stage {clock.stage}: from step {step}, {args.batch_slots} x {seq_len} tokens a step"
+                + (f" (documents clipped to {doc_len})" if doc_len else "")
+                + f", long window {trainer.window} x {args.window_unit} tokens")
             t0 = time.perf_counter()
-        batch = stream.next_batch(rank, world_size, seq_len)
+        batch = stream.next_batch(rank, world_size, seq_len, doc_len)
         if stream.unchecked:  # a new shard's token ids: our check, not the record's, so off the clock
             pause_clock()
             stream.check_shard()
@@ -2164,7 +2187,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_ranks_agree(plan, world_size)
     # Data problems surface before anything is written.
     stream = TokenStream(args.train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
-                         plan.pinned_memory, args.packed_doc_len)
+                         plan.pinned_memory, min(args.packed_doc_len))
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
     if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()

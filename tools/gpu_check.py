@@ -317,7 +317,7 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
     plan = train_gpt.plan_device(args, device)
     trainer = train_gpt.Trainer(args, rank, world_size, plan)
     stream = train_gpt.TokenStream(train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
-                                   plan.pinned_memory, args.packed_doc_len)
+                                   plan.pinned_memory, min(args.packed_doc_len))
     barrier = dist.barrier if world_size > 1 else (lambda: None)
     stages, first_steps = [], set(train_gpt.training_shapes(args).values())
     for number, ((seq_len, window), run_steps) in enumerate(stage_steps(args).items(), 1):
@@ -332,7 +332,7 @@ def bench_stages(args: train_gpt.Hyperparameters, train_files: str, steps: int, 
                 t0 = time.perf_counter()
             step = run_steps[min(i, len(run_steps) - 1)]  # the schedules of the stage's steps; the window of all
             trainer.move_window(step)
-            trainer.train_step(step, stream.next_batch(rank, world_size, seq_len))
+            trainer.train_step(step, stream.next_batch(rank, world_size, seq_len, train_gpt.doc_len_at(step, args)))
         trainer.synchronize()
         ms = 1000 * (time.perf_counter() - t0) / steps
         flops = run_support.stage_flops_per_token(trainer.model, args, seq_len, window)
