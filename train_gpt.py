@@ -933,7 +933,7 @@ class GPT(nn.Module):
     gate's comes at the first skip, earlier: a bucket waits for its last, whichever that is). The input
     embedding starts as a copy of the lm_head, and the training keeps it one until the untie (Trainer.tie_embedding;
     the records from 2025-12-19). A hashed bigram embedding, BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry, joins
-    every layer's input (the records from 2026-01-19)."""
+    the stream (the records from 2026-01-19): before layer 0, and with x0 after each later attention (GPT.trunk)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -978,7 +978,7 @@ class GPT(nn.Module):
         embed = nn.Embedding(padded_vocab, D)
         with torch.no_grad():  # the record's copy of the lm_head, after the draw it discards
             embed.weight.copy_(lm_head.weight)
-        # A token's bigram (hashed with the one before) looks up a row added to every layer's input (records from
+        # A token's bigram (hashed with the one before) looks up a row added to the stream (records from
         # 2026-01-19); drawn, then zeroed, as the record's. Its gradient is complete after the embedding's.
         self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, D)
         with torch.no_grad():
@@ -1064,20 +1064,22 @@ class GPT(nn.Module):
         resid, post, x0_lambdas, bigram_lambdas = (lambdas.type_as(x) for lambdas in (
             self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas))
         x = x + bigram * bigram_lambdas[0]  # the bigram embedding: once here, then after each later layer's attention
+        # What joins the stream after each attention, then the skips' x0 gate, all made before the layers, as the record
+        # makes them: x0's gradient then sums its terms in the record's order.
+        injected = iter([x0 * x0_lambdas[i] + bigram * bigram_lambdas[i] if i else x0 * x0_lambdas[i]
+                         for i in range(L) if self.blocks[i].attn is not None])
+        # sigmoid(w) (records from 2025-09-11) times 2 sigmoid(v . x0[:12]) (records from 2025-12-29)
+        x0_gate = torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features])) if self.skip_layers else None
         skips, backout = {}, None
         partners = {skip_partner(L, i): i for i in self.skip_layers}
         first_decoder = skip_receivers(L).start
         for i in range(L):
             if i in self.skip_layers:
-                # sigmoid(w) (records from 2025-09-11) times 2 sigmoid(v . x0[:12]) (records from 2025-12-29)
-                gate = torch.sigmoid(skip_weights[i - first_decoder])
-                gate = gate * 2 * torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features]))
-                x = x + gate * skips.pop(i)
+                x = x + torch.sigmoid(skip_weights[i - first_decoder]) * 2 * x0_gate * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]][None] if self.ve_layout[i] is not None else None
-            injected = None if self.blocks[i].attn is None else (
-                x0 * x0_lambdas[i] if i == 0 else x0 * x0_lambdas[i] + bigram * bigram_lambdas[i])
             # Past the backout layer, attention reads the stream as that layer left it (records from 2026-03-06).
-            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i], injected,
+            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i],
+                               None if self.blocks[i].attn is None else next(injected),
                                attn_lambdas[i], masks[self.paired[i], self.long_window[i]], self.rotary, scale,
                                None if cache is None else cache.layers[i], positions, restarts)
             if i in partners:
