@@ -185,12 +185,12 @@ ORTHOGONALIZATION_STEPS = len(POLAR_EXPRESS_COEFFS)
 def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16, add_apart: bool = False) -> Tensor:
     """Approximately replace each matrix in the last two dims of G by U V^T (its polar factor) with Polar Express (the
     records' from 2025-09-29), computed in dtype: bf16 for speed; float32 where runs are compared (bf16 rounding
-    amplifies tiny differences). add_apart: a X + B X as B X, then a X added (two roundings), as the records from
-    2025-12-11 do for MLPs."""
+    amplifies tiny differences). add_apart: the product (B X, or X B for a tall X) and a X added apart (two roundings),
+    as the records from 2025-12-11 do for MLPs."""
     X = G.to(dtype)
     tall = X.size(-2) > X.size(-1)  # then the smaller Gram matrix is X^T X, multiplied from the right (from 2026-02-16)
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + POLAR_EXPRESS_SAFETY) + 1e-6)
-    # Each line rounds once, as the record's kernels do: A = X X^T, B = b A + c A A^T, X = a X + B X, the last two as
+    # Each line rounds once, as the record's kernels do: A, B = b A + c A A^T, X = a X + B X (or X B), the last two as
     # one scaled product and sum each (add_apart: the last twice); a lone matrix as a stack of one, as the record's.
     shape = X.shape
     X = X.reshape(-1, *shape[-2:]).contiguous()
@@ -806,13 +806,14 @@ def targets_ahead(targets: Tensor, n: int) -> tuple[Tensor, Tensor]:
 
 
 LOSS_BLOCK = 2048  # the columns the record's fused loss kernel takes at a time in its log-sum-exp
+INV_SPREAD = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))  # the kernel's 1 / 7.5 in float32 (correctly
+# rounded; Triton's division on the GPU may differ by an ulp)
 
 
 def kernel_softcap(logits: Tensor, cap: float, offset: float) -> tuple[Tensor, Tensor]:
     """(cap s, s), s = sigmoid(z / 7.5 + offset / 7.5) in float32 as the fused kernel writes it: 1 / (1 + exp(-u)), both
     divisions products with 7.5's float32 reciprocal (the records from 2026-02-02)."""
-    inv_spread = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))
-    u = logits.float() * inv_spread + float32(np.float32(offset) * np.float32(inv_spread))
+    u = logits.float() * INV_SPREAD + float32(np.float32(offset) * np.float32(INV_SPREAD))
     s = 1 / (1 + torch.exp(-u))
     return cap * s, s
 
@@ -842,6 +843,7 @@ class SoftcappedLoss(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, offset: float,
                 fp8_scales: tuple[float, float, float] | None = None) -> Tensor:
         if fp8_scales is None:
+            w = w.type_as(x)
             logits = F.linear(x, w)
         else:
             logits, x, w = fp8_mm(x, w, *fp8_scales[:2])  # the matmul's operands as the backward takes them: in e4m3
@@ -861,8 +863,9 @@ class SoftcappedLoss(torch.autograd.Function):
         fp8 = ctx.fp8_scales is not None
         grad_s = ctx.fp8_scales[2] if fp8 else 1.0
         z, s = kernel_softcap(logits, ctx.cap, ctx.offset)
-        inv_spread = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))
-        row_scale = (grad * float32(np.float32(1) / np.float32(grad_s)) * float32(np.float32(inv_spread) * np.float32(ctx.cap)))[:, None]
+        # The kernel's factors of each row, in float32: the loss's gradient / grad_s, times cap / 7.5.
+        inv_grad_s, cap_spread = float32(np.float32(1) / np.float32(grad_s)), float32(np.float32(INV_SPREAD) * np.float32(ctx.cap))
+        row_scale = (grad * inv_grad_s * cap_spread)[:, None]
         ahead, valid = targets_ahead(targets, weights.numel())
         weight_sum = torch.zeros_like(lse)
         for k in range(weights.numel()):
@@ -917,7 +920,7 @@ class GPTConfig:
     attention_scale: float = 0.1  # the softmax scale at the first window
     attention_scale_growth: float = 0.2  # each new window multiplies the scale by 1 + this x ln(new / previous)
     skip_layers: tuple | None = None  # decoder layers that add their mirror encoder layer's output; None: every one
-    backout_layer: int = -1  # the layer whose output is partly taken out before the lm_head; -1: none
+    backout_layer: int = -1  # the layer whose output is partly taken out before the lm_head, and later layers attend over; -1: none
     paired_layers: tuple = ()  # layers whose heads attend in pairs over a sequence twice as long
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5)
     logit_offset: float = LOGIT_OFFSET
@@ -929,11 +932,11 @@ class GPTConfig:
 
 class GPT(nn.Module):
     """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
-    reversed(parameters()) is about the order in which gradients become ready, which the buckets follow (the skip
-    gate's comes at the first skip, earlier: a bucket waits for its last, whichever that is). The input
-    embedding starts as a copy of the lm_head, and the training keeps it one until the untie (Trainer.tie_embedding;
-    the records from 2025-12-19). A hashed bigram embedding, BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry, joins
-    the stream (the records from 2026-01-19): before layer 0, and with x0 after each later attention (GPT.trunk)."""
+    reversed(parameters()) is about the order in which gradients become ready, which the buckets follow (a bucket
+    waits for its last, whichever that is). The input embedding starts as a copy of the lm_head, and the training
+    keeps it one until the untie (Trainer.tie_embedding; the records from 2025-12-19). A hashed bigram embedding,
+    BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry, joins the stream (the records from 2026-01-19): before layer 0,
+    and with x0 after each later attention (GPT.trunk)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -985,10 +988,8 @@ class GPT(nn.Module):
             self.bigram_embed.weight.zero_()
         self.embed, self.smear_gate = embed, smear_gate
         self.register_parameter("value_embeds", value_embeds)
-        # Scalars, one Adam tensor: per layer the lambdas on attention's (q k v, output) weights, then the smear's and
-        # (where on) the backout's lambdas, and the U-net skip weights. The stream's lambdas, per layer, are tensors
-        # of their own, as the records' Adam treats them (from 2026-02-12): per sub-layer (attention, MLP) the
-        # stream's scale and its output's weight, and the weights of x0 and the bigram embedding.
+        # Scalars, one Adam tensor: per layer attention's (q k v, output) lambdas, the smear's, the backout's, the skips'.
+        # The stream's lambdas (Block.forward) are tensors of their own: the records' Adam treats them apart.
         self.backout_layer = c.backout_layer
         self.num_skip_weights = len(skip_receivers(L))
         self.smear_index = 2 * L
@@ -1066,8 +1067,8 @@ class GPT(nn.Module):
         x = x + bigram * bigram_lambdas[0]  # the bigram embedding: once here, then after each later layer's attention
         # What joins the stream after each attention, then the skips' x0 gate, all made before the layers, as the record
         # makes them: x0's gradient then sums its terms in the record's order.
-        injected = iter([x0 * x0_lambdas[i] + bigram * bigram_lambdas[i] if i else x0 * x0_lambdas[i]
-                         for i in range(L) if self.blocks[i].attn is not None])
+        injected = {i: x0 * x0_lambdas[i] + bigram * bigram_lambdas[i] if i else x0 * x0_lambdas[i]
+                    for i in range(L) if self.blocks[i].attn is not None}
         # sigmoid(w) (records from 2025-09-11) times 2 sigmoid(v . x0[:12]) (records from 2025-12-29)
         x0_gate = torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features])) if self.skip_layers else None
         skips, backout = {}, None
@@ -1078,8 +1079,7 @@ class GPT(nn.Module):
                 x = x + torch.sigmoid(skip_weights[i - first_decoder]) * 2 * x0_gate * skips.pop(i)
             layer_ve = ve[self.ve_layout[i]][None] if self.ve_layout[i] is not None else None
             # Past the backout layer, attention reads the stream as that layer left it (records from 2026-03-06).
-            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i],
-                               None if self.blocks[i].attn is None else next(injected),
+            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i], injected.get(i),
                                attn_lambdas[i], masks[self.paired[i], self.long_window[i]], self.rotary, scale,
                                None if cache is None else cache.layers[i], positions, restarts)
             if i in partners:
@@ -1371,8 +1371,8 @@ class TokenStream:
         return slots, int(starts[i]) if i < len(starts) else self.shard_length
 
     def next_batch(self, rank: int, world_size: int, seq_len: int, doc_len: int | None = None) -> list[tuple[Tensor, Tensor]]:
-        """doc_len: packed documents' clip in this batch (the records' shorter first stage), at least the stream's
-        packed_doc_len; None: that."""
+        """doc_len: packed documents' clip in this batch (the records' shorter first stage); None: packed_doc_len,
+        which the constructor checked that a shard's documents can fill a batch at."""
         doc_len = doc_len or self.packed_doc_len
         if seq_len > self.max_seq_len:
             raise ValueError(f"seq_len={seq_len} is above the stream's max_seq_len={self.max_seq_len}")
@@ -1446,7 +1446,7 @@ class Hyperparameters:
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
     skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
-    backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); -1: none
+    backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); the layers after it attend over that stream (from 2026-03-06); -1: none
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above

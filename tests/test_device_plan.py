@@ -24,7 +24,7 @@ def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
     assert plan.dtype == train_gpt.auto_dtype(CPU)[0]
     assert "fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
     model = train_gpt.build_model(args, 1024, plan)  # args.dtype is still auto: the plan's dtype is the one used
-    assert model.attention_backend == "sdpa" and model.lm_head.fp8_scales is None
+    assert model.attention_backend == "sdpa" and model.fp8_scales is None
     run_dtype = train_gpt.DTYPES[plan.dtype]
     assert model.embed.weight.dtype == model.value_embeds.dtype == model.rotary.cos.dtype == run_dtype
 
@@ -49,8 +49,8 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
             "the rest eager)") in eager.lines
     small = dataclasses.replace(args, model_dim=64, num_heads=2, head_dim=32, vocab_size=1000)
     model = train_gpt.build_model(small, 256, plan)  # built on the CPU, as the Trainer builds it before moving it
-    # the record's grad_s = grad_scale x 0.75 / 448, grad_scale 2 / (8 micro-steps) on one process
-    assert model.attention_backend == "flex" and model.lm_head.fp8_scales == (100 / 448, 1.6 / 448, 2 / 8 * 0.75 / 448)
+    # the record's grad_s = grad_scale x 0.75 / 448, grad_scale 1 / (8 micro-steps) on one process
+    assert model.attention_backend == "flex" and model.fp8_scales == (100 / 448, 1.6 / 448, 1 / 8 * 0.75 / 448)
     assert model.embed.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16  # the record's bf16 head
     assert {p.dtype for block in model.blocks for p in block.mlp.parameters()} == {torch.bfloat16}  # and matrices
     adam, muon = train_gpt.build_optimizers(model, small, plan=plan)

@@ -229,7 +229,8 @@ def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_sh
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
     assert_runs_agree(one, two)
     padded = train_gpt.next_multiple(TINY_VOCAB, 128)  # the lm_head, the embeddings, the bigram table, the gates (one
-    adam_shapes = {(padded, 64), (train_gpt.BIGRAM_ROWS_PER_TOKEN * padded, 64), (1, 12)}  # head); scalars are 1-D
+    # head), the stream's lambdas per sub-layer of the 2 layers; the other scalars are 1-D
+    adam_shapes = {(padded, 64), (train_gpt.BIGRAM_ROWS_PER_TOKEN * padded, 64), (1, 12), (2, 2)}
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
         is_adam = [all(len(s) == 1 or tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]

@@ -1,4 +1,5 @@
-"""The FP8 lm_head matmul (custom ops nanogpt::fp8_mm and nanogpt::fp8_mm_backward) and its scales."""
+"""The FP8 lm_head matmul (custom ops nanogpt::fp8_mm and nanogpt::fp8_mm_backward, which the training loss,
+SoftcappedLoss, calls) and its scales."""
 
 import sys
 from pathlib import Path
@@ -19,9 +20,16 @@ D = 256  # lm_head input width
 V = 512  # lm_head output rows
 N = 128  # tokens
 
-# x and g are bf16: the op divides them by their scale in float32 (the scale rounded, then a division, or a
-# reciprocal and a product) and rounds the quotient to bf16 before rounding it to FP8
+# x is bf16: the op divides it by its scale in float32 (the scale rounded, then a division, or a reciprocal and a
+# product) and rounds the quotient to bf16 before rounding it to FP8
 BF16_DIVISION_ERROR = (1 + UNIT_ROUNDOFF[torch.bfloat16]) * (1 + gamma(3)) - 1
+# The loss's float32 gradient times grad_s's float32 reciprocal: two roundings before the one to e5m2
+FP32_RECIPROCAL_ERROR = gamma(2)
+
+
+def gradient_codes(g, grad_s):
+    """g's e5m2 copy as SoftcappedLoss makes it: times grad_s's float32 reciprocal, rounded once to e5m2."""
+    return (g.float() * train_gpt.float32(1 / train_gpt.float32(grad_s))).to(torch.float8_e5m2)
 
 
 def quantization_error(t, scale, fp8_dtype, division_error=0.0):
@@ -60,8 +68,8 @@ def test_forward_is_an_fp8_approximation_of_the_matmul(seed):
     and not the product of x and w: it really quantized. The copies are x / x_s and w / w_s rounded to e4m3,
     so the result lies within the bound those roundings give of x @ w.T."""
     x, w, _ = lm_head_operands(seed)
-    x_s, w_s, grad_s = train_gpt.LM_HEAD_FP8_SCALES
-    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, x_s, w_s, grad_s)
+    x_s, w_s, _ = train_gpt.LM_HEAD_FP8_SCALES
+    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, x_s, w_s)
     assert out.dtype == torch.bfloat16 and out.shape == (N, V)
     assert x_f8.dtype == w_f8.dtype == torch.float8_e4m3fn
     quantized, bound = fp8_product_and_bound(x_f8.double() * x_s, 0, w_f8.double().T * w_s, 0, torch.bfloat16)
@@ -74,42 +82,52 @@ def test_forward_is_an_fp8_approximation_of_the_matmul(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_backward_gradients_reach_inputs_within_fp8_tolerance(seed):
-    """Autograd delivers grad_x (bf16) and grad_w (fp32): the products of the gradient's e5m2 copy with the
-    forward's e4m3 copies of w and x, to float32 accumulation and the result's rounding; so they lie within
-    the bound the three roundings give of g @ w and g.T @ x."""
+def test_backward_gradients_within_fp8_tolerance(seed):
+    """The backward op's grad_x (bf16) and grad_w (fp32) from the gradient's e5m2 codes (made from float32, as the loss
+    makes them): the products of the codes with the forward's e4m3 copies of w and x, to float32 accumulation and the
+    result's rounding; so they lie within the bound the three roundings give of g @ w and g.T @ x."""
     x, w, g = lm_head_operands(seed)
     x_s, w_s, grad_s = scales = train_gpt.LM_HEAD_FP8_SCALES
-    x.requires_grad_()
-    w.requires_grad_()
-    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales)
-    g = g.bfloat16()
-    out.backward(g)
-    assert x.grad is not None and w.grad is not None
-    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
-    g_q = g.div(grad_s).to(torch.float8_e5m2).double() * grad_s  # the gradient's copy, made as the op makes it
-    x_q, w_q = x_f8.double() * x_s, w_f8.double() * w_s
-    assert_within(x.grad, *fp8_product_and_bound(g_q, 0, w_q, 0, torch.bfloat16), "grad_x from the FP8 copies")
-    assert_within(w.grad, *fp8_product_and_bound(g_q.T, 0, x_q, 0, torch.float32), "grad_w from the FP8 copies")
-    g_error = quantization_error(g, grad_s, torch.float8_e5m2, BF16_DIVISION_ERROR)
+    _, x_f8, w_f8 = train_gpt.fp8_mm(x, w, x_s, w_s)
+    g_f8 = gradient_codes(g, grad_s)
+    grad_x, grad_w = torch.ops.nanogpt.fp8_mm_backward(g_f8, x_f8, w_f8, *scales)
+    assert grad_x.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
+    assert grad_x.shape == x.shape and grad_w.shape == w.shape
+    g_q, x_q, w_q = g_f8.double() * grad_s, x_f8.double() * x_s, w_f8.double() * w_s
+    assert_within(grad_x, *fp8_product_and_bound(g_q, 0, w_q, 0, torch.bfloat16), "grad_x from the FP8 copies")
+    assert_within(grad_w, *fp8_product_and_bound(g_q.T, 0, x_q, 0, torch.float32), "grad_w from the FP8 copies")
+    g_error = quantization_error(g, grad_s, torch.float8_e5m2, FP32_RECIPROCAL_ERROR)
     x_error = quantization_error(x, x_s, torch.float8_e4m3fn, BF16_DIVISION_ERROR)
     w_error = quantization_error(w, w_s, torch.float8_e4m3fn)
-    assert_within(x.grad, *fp8_product_and_bound(g, g_error, w, w_error, torch.bfloat16), "grad_x against g @ w")
-    assert_within(w.grad, *fp8_product_and_bound(g.T, g_error.T, x, x_error, torch.float32), "grad_w against g.T @ x")
+    assert_within(grad_x, *fp8_product_and_bound(g, g_error, w, w_error, torch.bfloat16), "grad_x against g @ w")
+    assert_within(grad_w, *fp8_product_and_bound(g.T, g_error.T, x, x_error, torch.float32), "grad_w against g.T @ x")
 
 
-def test_backward_op_directly():
-    """torch.ops.nanogpt.fp8_mm_backward on the forward's fp8 copies gives autograd's gradients, to the bit:
-    autograd calls the same op on the same inputs."""
-    x, w, g = lm_head_operands(2)
-    scales = train_gpt.LM_HEAD_FP8_SCALES
-    x.requires_grad_()
-    w.requires_grad_()
-    out, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales)
-    out.backward(g.bfloat16())
-    grad_x, grad_w = torch.ops.nanogpt.fp8_mm_backward(g.bfloat16(), x_f8, w_f8, *scales)
-    assert grad_x.shape == x.shape and grad_w.shape == w.shape
-    assert torch.equal(grad_x, x.grad) and torch.equal(grad_w, w.grad)
+def test_the_loss_takes_the_fp8_ops_on_its_own_codes():
+    """SoftcappedLoss with FP8 scales: its logits are fp8_mm's, to the bit, and its gradients are fp8_mm_backward's on
+    the forward's e4m3 copies and the e5m2 codes of the float32 gradient of the logits, which the same loss without
+    FP8 (on those logits' values, in float32) computes before its rounding; the codes made through bf16 (the records'
+    before 2026-01-24) differ on some entries, and so do the gradients."""
+    x, w, _ = lm_head_operands(6)
+    w = w.bfloat16()  # the lm_head's, in the run's dtype
+    x_s, w_s, grad_s = scales = (*train_gpt.LM_HEAD_FP8_SCALES[:2], 0.125 * train_gpt.LM_HEAD_FP8_SCALES[2])
+    targets, weights = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(6)), torch.tensor([1.0, 0.5])
+    logits, x_f8, w_f8 = train_gpt.fp8_mm(x, w, x_s, w_s)
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    losses = train_gpt.SoftcappedLoss.apply(xi, wi, targets, weights, 23.0, 5.0, scales)
+    (losses.sum() * 0.125).backward()
+    # the float32 gradient of the logits, from the same logits: the loss without FP8 on x = I, w = logits^T
+    z = logits.float().detach().requires_grad_()
+    eye = torch.eye(N)
+    plain = train_gpt.SoftcappedLoss.apply(eye, z.T.contiguous().requires_grad_(), targets, weights, 23.0, 5.0, None)
+    assert torch.equal(plain, losses.detach())
+    (grad_z,) = torch.autograd.grad(plain.sum() * 0.125, z)
+    codes = gradient_codes(grad_z, grad_s)
+    expected = torch.ops.nanogpt.fp8_mm_backward(codes, x_f8, w_f8, *scales)
+    assert torch.equal(xi.grad, expected[0]) and torch.equal(wi.grad, expected[1].bfloat16())
+    through_bf16 = (grad_z.bfloat16().float() * train_gpt.float32(1 / train_gpt.float32(grad_s))).to(torch.float8_e5m2)
+    assert not torch.equal(through_bf16.float(), codes.float())
+    assert not torch.equal(torch.ops.nanogpt.fp8_mm_backward(through_bf16, x_f8, w_f8, *scales)[0], xi.grad)
 
 
 # opcheck's test_schema and test_aot_dispatch_* call allclose/sum on every output, which torch
@@ -120,10 +138,9 @@ OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration")
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_opcheck_forward(x_dtype):
-    """The fake matches the real op (bf16 result even for fp32 inputs); autograd is registered."""
+    """The fake matches the real op (bf16 result even for fp32 inputs)."""
     x, w, _ = lm_head_operands(3, x_dtype)
-    torch.library.opcheck(train_gpt.fp8_mm, (x.requires_grad_(), w.requires_grad_(), *train_gpt.LM_HEAD_FP8_SCALES),
-                          test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(train_gpt.fp8_mm, (x, w, *train_gpt.LM_HEAD_FP8_SCALES[:2]), test_utils="test_faketensor")
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
@@ -131,28 +148,30 @@ def test_opcheck_backward(x_dtype):
     """The backward op's fake matches its real outputs in shape, dtype and strides."""
     x, w, g = lm_head_operands(3, x_dtype)
     scales = train_gpt.LM_HEAD_FP8_SCALES
-    _, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales)
-    torch.library.opcheck(torch.ops.nanogpt.fp8_mm_backward.default, (g.bfloat16(), x_f8, w_f8, *scales),
+    _, x_f8, w_f8 = train_gpt.fp8_mm(x, w, *scales[:2])
+    torch.library.opcheck(torch.ops.nanogpt.fp8_mm_backward.default, (gradient_codes(g, scales[2]), x_f8, w_f8, *scales),
                           test_utils="test_faketensor")
 
 
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_matches_eager(backward):
-    """The op traces through torch.compile and computes exactly what eager does: the compiled graphs call the
-    same custom ops, which run the same _scaled_mm on the same e4m3 values, so the results are equal."""
-    x, w, g = lm_head_operands(4)
+    """The training loss with FP8 traces through torch.compile and computes exactly what eager does: the compiled graphs
+    call the same custom ops, which run the same _scaled_mm on the same e4m3 and e5m2 values, so the results are
+    equal."""
+    x, w, _ = lm_head_operands(4)
     scales = train_gpt.LM_HEAD_FP8_SCALES
+    targets = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
 
     def run(fn):
-        xi, wi = x.clone().requires_grad_(backward), w.clone().requires_grad_(backward)
+        xi, wi = x.clone().requires_grad_(backward), w.bfloat16().requires_grad_(backward)
         out = fn(xi, wi)
         if not backward:
             return (out,)
-        out.backward(g.bfloat16())
+        out.backward()
         return out.detach(), xi.grad, wi.grad
 
-    fn = lambda a, b: train_gpt.fp8_mm(a, b, *scales)[0]
+    fn = lambda a, b: train_gpt.SoftcappedLoss.apply(a, b, targets, torch.ones(1), 23.0, 5.0, scales).sum()
     # Inductor's cache keys do not cover a custom op's fake, so a cached graph could outlive a fix.
     with torch._inductor.config.patch(force_disable_caches=True):
         compiled_results = run(torch.compile(fn, dynamic=False, fullgraph=True))
@@ -185,20 +204,3 @@ def test_gradient_bound_holds_and_fits_e5m2(cap, offset):
     scaled = grad * sum(train_gpt.MTP_WEIGHTS) / train_gpt.LM_HEAD_FP8_SCALES[2]
     assert scaled.abs().max() <= 57344
     assert torch.isfinite(scaled.to(torch.float8_e5m2).float()).all()
-
-
-def test_casted_linear_uses_fp8_only_in_training():
-    """Given FP8 scales, the layer's matmul is FP8 in train mode (exactly fp8_mm, not eval's result); eval mode
-    is exactly F.linear."""
-    torch.manual_seed(5)
-    layer = train_gpt.CastedLinear(D, V, train_gpt.LM_HEAD_FP8_SCALES)
-    torch.nn.init.normal_(layer.weight, std=D**-0.5)  # zero at init
-    x = train_gpt.norm(torch.randn(2, 64, D)).bfloat16()
-    exact = F.linear(x, layer.weight.bfloat16())
-    layer.eval()
-    assert torch.equal(layer(x), exact)
-    layer.train()
-    out = layer(x)
-    assert out.shape == (2, 64, V)
-    assert torch.equal(out, train_gpt.fp8_mm(x.flatten(0, 1), layer.weight, *layer.fp8_scales)[0].view(2, 64, V))
-    assert not torch.equal(out, exact)

@@ -40,9 +40,9 @@ def tiny_gpt(num_layers=4, backend="sdpa", vocab=VOCAB, seed=0, paired_layers=()
 
 def randomize_(model, seed=1):
     """Replace the zero-initialized weights (output projections, gates, value embeddings, lm_head) and the
-    scalars' initial values with random ones, so that every layer and every path changes the output; the
-    lm_head spans the record's FP8 range (|w| <= 448 * 2^-9) so the softcapped logits, and the loss,
-    depend clearly on the hidden state."""
+    scalars' and the stream's lambdas' initial values with random ones, so that every layer and every path changes the
+    output (x0's share too, zero at init); the lm_head spans the record's FP8 range (|w| <= 448 * 2^-9) so the
+    softcapped logits, and the loss, depend clearly on the hidden state."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -55,6 +55,9 @@ def randomize_(model, seed=1):
         if model.value_embeds is not None:  # last: the draws before keep their values
             model.value_embeds.normal_(0, 0.5)
         model.bigram_embed.weight.normal_(0, 0.1)  # smaller: a table as large as the value embeddings' swamps the context
+        # the stream's lambdas after them, so that the draws before keep their values
+        for lambdas in (model.resid_lambdas, model.post_lambdas, model.x0_lambdas, model.bigram_lambdas):
+            lambdas.add_(0.3 * torch.randn_like(lambdas))
     return model
 
 
@@ -119,22 +122,28 @@ def test_an_odd_depth_is_the_next_even_one_without_its_first_layer():
 
 @pytest.mark.parametrize("depth", sorted(LAYOUTS))
 def test_gpt_structure(depth):
-    """Scalars: stream lambdas 1.1, attention lambdas on the q/k/v and output weights (0.5, 1), bigram lambdas 0.1, the
-    smear's lambda 0, skip weights (one per skip receiver) -1.5; x0 lambdas 0, a tensor of their own; one parameter of
-    the value-embedding tables; the bigram table, zero; the attention-free block; an MLP in every block; the key offset on the
-    long-window layers' attention alone; an attention gate in every attention layer, a value-embedding gate in those
-    with a table."""
+    """Scalars: the lambdas on each layer's attention q/k/v and output weights (0.5, 1), interleaved, the smear's lambda
+    0, skip weights (one per skip receiver) -1.5. The stream's lambdas, as the 2026-03-22 record makes them, each a
+    float32 parameter of its own (the records' Adam gives them betas of their own), none of them in the scalars: per
+    layer and sub-layer (attention, MLP) the stream's scale sqrt(1.1) and the output's weight 1, per layer x0's weight 0
+    and the bigram embedding's 0.05. One parameter of the value-embedding tables; the bigram table, zero; the
+    attention-free block; an MLP in every block; the key offset on the long-window layers' attention alone; an attention
+    gate in every attention layer, a value-embedding gate in those with a table."""
     expected = LAYOUTS[depth]
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(256, depth, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T))
     L, S = depth, len(expected["skips"])
-    assert model.scalars.numel() == 4 * L + 1 + S and model.smear_index == 4 * L
-    assert torch.equal(model.scalars[:L], torch.full((L,), 1.1))
-    assert torch.equal(model.scalars[L:3 * L], torch.tensor([0.5, 1.0]).repeat(L))
-    assert torch.equal(model.scalars[3 * L:4 * L], torch.full((L,), 0.1))
-    assert model.scalars[4 * L] == 0
-    assert torch.equal(model.scalars[4 * L + 1:], torch.full((S,), -1.5))
-    assert torch.equal(model.x0_lambdas, torch.zeros(L))
+    assert model.scalars.numel() == 2 * L + 1 + S and model.smear_index == 2 * L
+    assert torch.equal(model.scalars[:2 * L], torch.tensor([0.5, 1.0]).repeat(L))
+    assert model.scalars[2 * L] == 0
+    assert torch.equal(model.scalars[2 * L + 1:], torch.full((S,), -1.5))
+    stream = dict(resid_lambdas=torch.full((L, 2), 1.1**0.5), post_lambdas=torch.ones(L, 2),
+                  x0_lambdas=torch.zeros(L), bigram_lambdas=0.05 * torch.ones(L))  # the record's inits
+    parameters = dict(model.named_parameters())
+    for name, init in stream.items():
+        p = getattr(model, name)
+        assert parameters[name] is p and p.dtype == torch.float32 and torch.equal(p, init), name
+    assert len({id(model.scalars), *(id(getattr(model, name)) for name in stream)}) == 5
     assert model.ve_tables == L - expected["ve"].count(None) and model.value_embeds.shape == (model.ve_tables * 256, 32)
     assert not model.bigram_embed.weight.any()
     for i, block in enumerate(model.blocks):
@@ -148,13 +157,16 @@ def test_gpt_structure(depth):
 
 @pytest.mark.parametrize("depth", [4, 11, 12])
 def test_unet_wiring(depth):
-    """Observed with hooks on every block: layer 0 gets the smeared embeddings and no x0 (it sums its two lambdas); each
-    later layer chains from the previous one's output, plus, in a skip receiver i, its partner's output (and no other
-    layer's) times sigmoid(skip weight i - (first receiver)) 2 sigmoid(v . x0[:12]); each layer gets x0, its
-    value-embedding table (or none), its long or short mask, the one rotary, the window's softmax scale, the bigram
-    embedding (the record's hash) and its own lambdas (stream, x0, attention's pair, bigram)."""
+    """Observed with hooks on every block: layer 0 gets x0 (the smeared embeddings, normed) plus the bigram embedding
+    (the record's hash) times layer 0's bigram lambda, added there alone; each later layer chains from the previous
+    one's output, plus, in a skip receiver i, its partner's output (and no other layer's) times sigmoid(skip weight i -
+    (first receiver)) 2 sigmoid(v . x0[:12]); without a backout, each layer's attention reads its own input; each layer
+    gets its value-embedding table (or none), its long or short mask, the one rotary, the window's softmax scale, its
+    own lambdas (attention's pair; the stream's scale and output weight per sub-layer), and, where it has attention,
+    what joins after it: x0 l_0 in layer 0, x0 l_i + bigram b_i in the others (the 2026-03-22 record's x0_inject);
+    the attention-free layer none."""
     model = randomize_(tiny_gpt(depth))
-    L, skips = depth, LAYOUTS[depth]["skips"]
+    L, skips, free = depth, LAYOUTS[depth]["skips"], LAYOUTS[depth]["attention_free"]
     inputs, outputs = {}, {}
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args))
@@ -168,12 +180,18 @@ def test_unet_wiring(depth):
         s, skip = model.scalars, model.scalars[-len(skips):]
         skip_input_gate = 2 * torch.sigmoid(torch.nn.functional.linear(x0[..., :12], model.skip_gate.weight))
         bigram = model.bigram_embed(records_bigram_hash(tokens, model.bigram_embed.num_embeddings))[None]
+        x0_lambdas, bigram_lambdas = model.x0_lambdas, model.bigram_lambdas
         for i in range(L):
-            x, block_x0, ve, resid, x0_lambda, attn, mask, rotary, scale, _, _, _, block_bigram, bigram_lambda = inputs[i]
+            x, attention_input, ve, resid, post, injected, attn, mask, rotary, scale, cache, _, restarts = inputs[i]
+            assert attention_input is x and cache is None and restarts is None
             assert rotary is model.rotary and scale == model.attention_scales[window]
-            assert torch.equal(block_bigram, bigram)
-            assert [resid, x0_lambda, bigram_lambda] == [s[i], model.x0_lambdas[i], s[3 * L + i]]
-            assert torch.equal(attn, s[L + 2 * i:L + 2 * i + 2])
+            assert torch.equal(resid, model.resid_lambdas[i]) and torch.equal(post, model.post_lambdas[i])
+            assert torch.equal(attn, s[2 * i:2 * i + 2])
+            if i == free:
+                assert injected is None
+            else:
+                joins = x0 * x0_lambdas[0] if i == 0 else x0 * x0_lambdas[i] + bigram * bigram_lambdas[i]
+                torch.testing.assert_close(injected, joins, atol=0, rtol=0)
             table = LAYOUTS[L]["ve"][i]
             if table is None:
                 assert ve is None
@@ -181,10 +199,8 @@ def test_unet_wiring(depth):
                 torch.testing.assert_close(ve, ve_table(model, table)[tokens][None], atol=0, rtol=0)
             assert torch.equal(mask, masks[False, i in LAYOUTS[L]["long"]])
             if i == 0:
-                assert block_x0 is None
-                torch.testing.assert_close(x, x0, atol=0, rtol=0)
+                torch.testing.assert_close(x, x0 + bigram * bigram_lambdas[0], atol=0, rtol=0)
                 continue
-            torch.testing.assert_close(block_x0, x0, atol=0, rtol=0)
             if i not in skips:
                 torch.testing.assert_close(x, outputs[i - 1], atol=0, rtol=0)
             else:
@@ -250,40 +266,18 @@ def test_offset_keys_moves_the_second_half_one_position_on():
 
 
 def test_the_key_offset_in_the_model_computes_the_records_forward():
-    """Four layers (long windows on 0 and 3, short on 1, none in 2), random weights: the logits equal, to the bit, a
-    forward written out with records_attention (the record's in-place key shift on the long layers alone, the first
-    layer's included), the smear, the bigram embedding and the gated U-net skips 1 into 2 and 0 into 3; the same
-    forward written out without the shift differs."""
+    """Four layers (long windows on 0 and 3, short on 1, none in 2), random weights and lambdas: the logits equal, to
+    the bit, those of the 2026-03-22 record's forward written out (records_forward: records_attention with the
+    record's in-place key shift on the long layers alone, the first layer's included, the smear, the bigram embedding,
+    the gated U-net skips 1 into 2 and 0 into 3, the stream's lambdas per sub-layer); the same forward written out
+    without the shift differs."""
     model = randomize_(tiny_gpt())
     tokens, _ = long_document()
     window, F = 2, torch.nn.functional
-    s, x0_lambdas = model.scalars, model.x0_lambdas
-    resid_lambdas, sa_lambdas, bigram_lambdas = s[:4], s[4:12].view(4, 2), s[12:16]
-    smear_lambda, skip_weights = s[16], s[17:19]
-    masks = train_gpt.attention_masks(tokens, window, "sdpa")
-    long_mask, short_mask = masks[False, True], masks[False, False]
     with torch.no_grad():
-        bigram = model.bigram_embed(records_bigram_hash(tokens, model.bigram_embed.num_embeddings))[None]
-        e = model.embed(tokens)
-        gate = smear_lambda * torch.sigmoid(F.linear(e[1:, :12], model.smear_gate.weight))
-        logits = {}
-        for shift in (True, False):
-            x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
-            ve = {1: ve_table(model, 0)[tokens][None], 3: ve_table(model, 1)[tokens][None]}
-            outputs = []
-            for i, block in enumerate(model.blocks):
-                if i >= 2:
-                    x = x + torch.sigmoid(skip_weights[i - 2]) * 2 * torch.sigmoid(
-                        F.linear(x0[..., :12], model.skip_gate.weight)) * outputs[3 - i]
-                x = (resid_lambdas[0] + x0_lambdas[0]) * x if i == 0 else resid_lambdas[i] * x + x0_lambdas[i] * x0
-                x = x + bigram_lambdas[i] * bigram
-                if i != 2:
-                    x = x + records_attention(block.attn, train_gpt.norm(x), ve.get(i), sa_lambdas[i],
-                                              long_mask if i in (0, 3) else short_mask, model.rotary,
-                                              model.attention_scales[window], key_offset=shift and i in (0, 3))
-                x = x + F.linear(F.relu(F.linear(train_gpt.norm(x), block.mlp.c_fc)).square(), block.mlp.c_proj.T)
-                outputs.append(x)
-            logits[shift] = train_gpt.softcap(F.linear(train_gpt.norm(x), model.lm_head.weight))
+        logits = {shift: train_gpt.softcap(F.linear(train_gpt.norm(records_forward(
+            model, tokens, window, LAYOUTS[4]["skips"], key_offset=shift)), model.lm_head.weight))
+            for shift in (True, False)}
         assert torch.equal(model.softcapped_logits(model.trunk(tokens, window)), logits[True])
         assert (logits[True] - logits[False]).abs().max() > 1e-2
 
@@ -320,8 +314,8 @@ def test_a_zero_lm_head_gives_uniform_logits():
         eval_loss = model(tokens, targets, 4)
     u, padded = UNIT_ROUNDOFF[torch.float32], 50304
     log_vocab, rows = math.log(padded), worst_case_gamma(T - 1) * math.log(padded)
-    # train: cross_entropy sums V ones exactly; then log (within EXP_ULPS ulps, like exp) and two roundings of
-    # at most 16 + ln V per row
+    # train: SoftcappedLoss's blocks sum V ones exactly (each rescale by exp(0) = 1); then log (within EXP_ULPS ulps,
+    # like exp) and two roundings of at most 16 + ln V per row
     train_bound = 2 * EXP_ULPS * u * log_vocab + 2 * u * (16 + log_vocab) + rows
     assert_within(train_loss / T, torch.tensor(log_vocab, dtype=torch.float64), train_bound, "train loss")
     assert_within(eval_loss, torch.tensor(log_vocab, dtype=torch.float64), uniform_eval_loss_bound(padded, T),
@@ -550,17 +544,25 @@ def test_rotary_without_rescale_keeps_the_base_frequencies():
     assert_within(model.rotary.freqs, expected, bound, "frequencies after 2 -> 4", gamma(4))
 
 
-def expected_nonzero_scalar_grads(L):
-    """Block lambdas, bigram lambdas (randomize_ fills the bigram table), the smear's lambda and skip weights always
-    matter; attention's lambdas, on its q/k/v weights and on its output projection's, wherever there is attention."""
+def expected_nonzero_grads(L):
+    """Where the gradient is nonzero, per tensor of lambdas: attention's lambdas (on its q/k/v weights and on its
+    output projection's) wherever there is attention, the smear's lambda and the skip weights always (randomize_ fills
+    the gates and the bigram table); of the stream's lambdas, the MLP's scale and weight in every layer, the attention's
+    and the weights of x0 and the bigram embedding in the attention layers alone (both join after attention), and layer
+    0's bigram lambda also there (the embedding's one share before the layers)."""
     free = train_gpt.attention_free_layer(L)
-    return torch.tensor([True] * L + [i != free for i in range(L) for _ in range(2)] + [True] * (L + 1)
-                        + [True] * len(LAYOUTS[L]["skips"]))
+    attention = torch.tensor([i != free for i in range(L)])
+    sub_layers = torch.stack([attention, torch.ones(L, dtype=torch.bool)], dim=1)
+    return dict(scalars=torch.cat([attention.repeat_interleave(2), torch.ones(1 + len(LAYOUTS[L]["skips"]),
+                                                                              dtype=torch.bool)]),
+                resid_lambdas=sub_layers, post_lambdas=sub_layers, x0_lambdas=attention, bigram_lambdas=attention)
 
 
 def test_forward_backward_fp32_reaches_every_parameter():
     """fp32, SDPA backend, several documents, the key offset on the long layers: every parameter gets a finite
-    gradient, nonzero wherever it is used (per scalar entry: exactly the entries the forward uses)."""
+    gradient, nonzero wherever it is used (per entry of the scalars and the stream's lambdas: exactly the entries the
+    forward uses; the attention-free layer's x0 and bigram lambdas and its attention sub-layer's scale and weight
+    none)."""
     model = randomize_(tiny_gpt())
     tokens, targets = documents()
     model(tokens, targets, 2).backward()
@@ -568,8 +570,8 @@ def test_forward_backward_fp32_reaches_every_parameter():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().max() > 0, name
-    assert torch.equal(model.scalars.grad != 0, expected_nonzero_scalar_grads(4))
-    assert (model.x0_lambdas.grad != 0).all()  # layer 0's in its sum with the stream's
+    for name, nonzero in expected_nonzero_grads(4).items():
+        assert torch.equal(getattr(model, name).grad != 0, nonzero), name
 
 
 def test_bf16_embeddings_path():
@@ -668,22 +670,21 @@ def test_gradients_become_ready_in_reversed_parameter_order():
     """GradientBuckets packs parameters in reversed(model.parameters()) order, assuming that is the
     order in which backward finishes them. Recorded with post-accumulate-grad hooks: lm_head first,
     then the blocks from last to first (each block's parameters before any of an earlier block's),
-    then scalars, embeddings and the smear's gate, used throughout or first. One exception: the skip's input gate,
-    listed before the blocks, is done once backward passes the first skip receiver (layer 4), before the blocks
-    below it; early, which delays no bucket (each is reduced at its last gradient)."""
+    then scalars, the stream's lambdas, embeddings and the gates of the smear and of the skips' input, used throughout
+    or first: the skips' gate on x0 is made once before the layers (the record's skip_gate_out), so its gradient is
+    complete only once backward has left the blocks, although the first skip receiver (layer 4) is the last to add to
+    it. Listed after every block, the skip's gate is in bucket order too."""
     model = randomize_(tiny_gpt(8))
-    L, first_receiver = 8, 4
+    L = 8
     order = []
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
 
-    def stage(name):  # 0: lm_head, 1..L: blocks L-1..0, L+1: used by every layer
+    def stage(name):  # 0: lm_head, 1..L: blocks L-1..0, L+1: used by every layer, or made before them
         if name == "lm_head.weight":
             return 0
         if name.startswith("blocks."):
             return L - int(name.split(".")[1])
-        if name == "skip_gate.weight":  # between the first receiver's block and the one before it
-            return L - first_receiver + 0.5
         return L + 1
 
     tokens, targets = documents()
@@ -693,7 +694,7 @@ def test_gradients_become_ready_in_reversed_parameter_order():
     ready = [stage(name) for name in order]
     assert ready == sorted(ready), order
     listed = [name for name, _ in reversed(list(model.named_parameters()))]
-    bucket_order = [stage(name) for name in listed if name != "skip_gate.weight"]
+    bucket_order = [stage(name) for name in listed]
     assert bucket_order == sorted(bucket_order)
     assert listed[listed.index("skip_gate.weight") - 1] == "blocks.0.attn.qkvo_w"  # listed after every block
 
@@ -754,18 +755,27 @@ def test_the_eval_loss_in_float32_is_the_float64_loss(chunk, compiled, monkeypat
         assert_within(loss * 1.01, exact["loss"], exact["loss_bound"], "", exact["relative"])
 
 
-def test_the_model_takes_its_losses_from_softcapped_loss_and_the_eval_loss():
-    """GPT.forward in training: the summed loss and every parameter gradient are those of SoftcappedLoss on the raw
-    logits of the normed trunk output (the next token alone), to the bit; in evaluation, the mean of
-    chunked_eval_loss over the normed trunk output, to the bit."""
-    inputs, targets = documents()
-    model = randomize_(tiny_gpt()).train()
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_model_takes_its_losses_from_softcapped_loss_and_the_eval_loss(fp8):
+    """GPT.forward in training: the summed loss and every parameter gradient are those of SoftcappedLoss on the normed
+    trunk output and the lm_head's weight (the next token alone), to the bit, with the model's FP8 scales where it
+    takes them (the record's x and w scales, its grad scale times the loss scale), else none; the lm_head itself has no
+    FP8 (generation's and evaluation's logits: a plain matmul in training too). In evaluation, the mean of
+    chunked_eval_loss over the normed trunk output, to the bit. (A vocabulary of 1000: the loss's cost is its logits'.)"""
+    inputs, targets = (tokens % 1000 for tokens in documents())
+    torch.manual_seed(0)
+    model = randomize_(train_gpt.GPT(train_gpt.GPTConfig(1000, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
+                                                         windows=WINDOWS, fp8=fp8, loss_scale=0.5))).train()
+    x_s, w_s, grad_s = train_gpt.LM_HEAD_FP8_SCALES
+    assert model.fp8_scales == ((x_s, w_s, 0.5 * grad_s) if fp8 else None)
+    assert not hasattr(model.lm_head, "fp8_scales")
     by_hand = copy.deepcopy(model)
     loss = model(inputs, targets, 4)
     loss.backward()
-    logits = by_hand.lm_head(train_gpt.norm(by_hand.trunk(inputs, 4)))
-    expected = train_gpt.SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), targets, torch.ones(1),
-                                              by_hand.logit_cap, by_hand.logit_offset).sum()
+    x = train_gpt.norm(by_hand.trunk(inputs, 4))
+    assert torch.equal(by_hand.lm_head(x), torch.nn.functional.linear(x, by_hand.lm_head.weight))
+    expected = train_gpt.SoftcappedLoss.apply(x.view(-1, x.size(-1)), by_hand.lm_head.weight, targets, torch.ones(1),
+                                              by_hand.logit_cap, by_hand.logit_offset, by_hand.fp8_scales).sum()
     expected.backward()
     assert torch.equal(loss, expected)
     for (name, p), twin in zip(model.named_parameters(), by_hand.parameters()):
@@ -782,8 +792,8 @@ def test_the_model_takes_its_losses_from_softcapped_loss_and_the_eval_loss():
 def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
     """torch.compile's capture (backend eager: dynamo's graph) and its forward and backward graphs (aot_eager: AOT
     autograd's) run eager's kernels, so the loss and every parameter gradient equal eager's to the bit: on the
-    record's path (the FP8 lm_head; dense masks stand in for FlexAttention, whose backward needs CUDA) and the CPU's
-    (the lm_head without FP8), both into the whole-logits loss (SoftcappedLoss). torch 2.11's capture gave zero
+    record's path (the lm_head's FP8 matmul; dense masks stand in for FlexAttention, whose backward needs CUDA) and the
+    CPU's (without FP8), both inside the whole-logits loss (SoftcappedLoss). torch 2.11's capture gave zero
     gradients for a loss that an autograd.Function summed in place; inductor's kernels round apart, within the
     bounds derived above."""
     results = []
@@ -805,11 +815,12 @@ def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):
 
 def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=0, skip_layers=(6,),
                           paired_layers=(0, 2, 5, 9)):
-    """The records' structure of 2026-02-03, at width 32: the 12-layer U without its layer 0, the smear, attention
+    """The records' structure of 2026-03-22, at width 32: the 12-layer U without its layer 0, the smear, attention
     gates, value embeddings on 1, 2, 8, 9, 10 with their gates, one sigmoid-gated skip (3 into 6; None: every
-    receiver, 4..0 into 5..9) with its input gate, block inputs 1.1 x at init, the backout (after block 7), the key
-    offset on the long-window layers, the heads paired in layers 0, 2, 5 and 9, q/k/v/o drawn with std 0.5 / sqrt(d),
-    the lm_head with std 0.005 and the embedding its copy, the bigram hash embedding."""
+    receiver, 4..0 into 5..9) with its input gate, the stream's lambdas per sub-layer, the backout (after block 7,
+    whose output the later layers' attention reads), the key offset on the long-window layers, the heads paired in
+    layers 0, 2, 5 and 9, q/k/v/o drawn with std 0.5 / sqrt(d), the lm_head with std 0.005 and the embedding its copy,
+    the bigram hash embedding."""
     torch.manual_seed(seed)
     return train_gpt.GPT(train_gpt.GPTConfig(VOCAB, num_layers, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
                                              windows=windows, skip_layers=skip_layers, backout_layer=backout_layer,
@@ -818,10 +829,11 @@ def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=
 
 def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int, value_tables: int = 5,
                          seed: int = 0) -> dict:
-    """The 2026-02-03 record's construction, its draws in its own form up to the lm_head's (the embedding's and the
-    bigram table's after it are replaced or zeroed): the smear's and skip's nn.Linear(12, 1), the value embeddings
-    0.01 randn (value_tables x vocab, D), one uniform_ on the whole attention bank and one on the MLP bank's
-    up-projections (one padding MLP), both with std 0.5 / sqrt(D), the lm_head drawn (D, vocab) with std 0.005."""
+    """The 2026-02-03 record's construction (the 2026-03-22 record's draws the same: its stream lambdas draw nothing),
+    its draws in its own form up to the lm_head's (the embedding's and the bigram table's after it are replaced or
+    zeroed): the smear's and skip's nn.Linear(12, 1), the value embeddings 0.01 randn (value_tables x vocab, D), one
+    uniform_ on the whole attention bank and one on the MLP bank's up-projections (one padding MLP), both with std
+    0.5 / sqrt(D), the lm_head drawn (D, vocab) with std 0.005."""
     torch.manual_seed(seed)
     for _ in range(2):
         torch.nn.Linear(min(12, D), 1, bias=False)
@@ -835,18 +847,32 @@ def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int,
 
 
 def test_the_records_structure_starts_as_the_record_does():
-    """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 51 scalars: the stream's lambdas at
-    1.1, the (0.5, 1) lambdas of each layer's attention, the bigram embedding's at 0.1, the smear's lambda at 0, the
-    backout's at 0.5, five skip weights at -1.5; x0 lambdas 0; the gates (smear, skip, attention, value embeddings) and
-    the bigram table zero; the value embeddings, the matrices, the lm_head and the embedding (its copy) as the
-    record's construction draws them (replay_records_draws); a replay from another seed differs in each."""
+    """Attention in every layer but 6 (its key offset on 3 and 10), an MLP in each; 29 scalars: the (0.5, 1) lambdas of
+    each layer's attention, the smear's lambda at 0, the backout's at 0.5, five skip weights at -1.5; the stream's
+    lambdas as the 2026-03-22 record makes them ((11, 2) scales sqrt(1.1), (11, 2) output weights 1, x0's 0 and the
+    bigram's 0.05), Adam's alone, each with the record's betas (0.9, 0.95) and no decay, the scales at the scalars' lr
+    and the weights at a fifth of it (the record's lr multipliers 5 and 1); the gates (smear, skip, attention, value
+    embeddings) and the bigram table zero; the value embeddings, the matrices, the lm_head and the embedding (its copy)
+    as the record's construction draws them (replay_records_draws); a replay from another seed differs in each."""
     model = records_structure_gpt()
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.key_offset] == [3, 10]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate is not None] == [1, 2, 8, 9, 10]
-    expected = torch.cat([torch.full((11,), 1.1), torch.tensor([0.5, 1.0]).repeat(11), torch.full((11,), 0.1),
-                          torch.tensor([0.0, 0.5]), torch.full((5,), -1.5)])
-    assert torch.equal(model.scalars.detach(), expected) and torch.equal(model.x0_lambdas, torch.zeros(11))
+    expected = torch.cat([torch.tensor([0.5, 1.0]).repeat(11), torch.tensor([0.0, 0.5]), torch.full((5,), -1.5)])
+    assert torch.equal(model.scalars.detach(), expected)
+    stream = dict(resid_lambdas=torch.full((11, 2), 1.1**0.5), post_lambdas=torch.ones(11, 2),
+                  x0_lambdas=torch.zeros(11), bigram_lambdas=0.05 * torch.ones(11))  # the record's inits
+    for name, init in stream.items():
+        assert torch.equal(getattr(model, name).detach(), init), name
+    args = train_gpt.Hyperparameters()
+    adam, muon = train_gpt.build_optimizers(model, args)
+    group_of = {id(p): group for group in adam.param_groups for p in group["params"]}
+    assert not {id(getattr(model, name)) for name in stream} & {id(p) for g in muon.param_groups for p in g["params"]}
+    for name in stream:
+        group = group_of[id(getattr(model, name))]
+        assert tuple(group["betas"]) == (0.9, 0.95) and group["wd_mul"] == 0, name
+        assert group["lr"] == (args.scalar_lr if name == "resid_lambdas" else args.lambda_lr), name
+    assert args.scalar_lr == 5 * args.lambda_lr and tuple(group_of[id(model.scalars)]["betas"]) == (0.9, 0.99)
     gates = [model.smear_gate, model.skip_gate] + [g for b in model.blocks if b.attn is not None
                                                    for g in (b.attn.attn_gate, b.attn.ve_gate) if g is not None]
     assert len(gates) == 17 and all(g.weight.size(1) == 12 and not g.weight.any() for g in gates)
@@ -860,8 +886,7 @@ def test_the_records_structure_starts_as_the_record_does():
         found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
         found += [torch.equal(model.lm_head.weight, drawn["lm_head"].T), torch.equal(model.embed.weight, drawn["lm_head"].T)]
         assert found == [same] * 24, seed
-    adam, muon = train_gpt.build_optimizers(model, train_gpt.Hyperparameters())
-    assert {id(g.weight) for g in gates} <= {id(p) for group in adam.param_groups for p in group["params"]}
+    assert {id(g.weight) for g in gates} <= set(group_of)
 
 
 def records_bigram_hash(tokens, rows):
@@ -904,55 +929,85 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
     return torch.nn.functional.linear(y.contiguous().view(B, T, D), sa_lambdas[1] * attn.qkvo_w[3].type_as(y))
 
 
-@pytest.mark.parametrize("listing", ["2025-12-14", "full U"])
-@pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
-def test_the_records_structure_computes_the_records_forward(window, long_window, listing):
-    """The trunk against the 2026-01-19 record's GPT.forward written out, blocks included (and a U-net of every skip,
-    4..0 pushed and popped by 5..9): the smear; layer 3's output added through a sigmoid gate times 2 sigmoid(v .
-    x0[:12]) before layer 6's mixing; layer 0's input (r0 + x0_0) x + b0 bigram, the others' r x + l x0 + b bigram, the
-    bigram embedding's rows by the record's hash (records_bigram_hash); attention by
-    records_attention, the heads paired in 0, 2, 5 and 9 (their short window over the doubled sequence), the key
-    shifted on the long layers 3 and 10, none in 6; the MLP F.linear(relu(F.linear(x, c_fc))^2, c_proj^T); the residual
-    after block 7 times its lambda taken out; the final validation's wider long window on 3 and 10 alone. The same
-    operations in the same order: equal to the bit, with every weight and scalar random."""
-    unet = listing == "full U"
-    model = randomize_(records_structure_gpt(skip_layers=None if unet else (6,)))
-    tokens, _ = documents()
-    s, F = model.scalars, torch.nn.functional
-    resid_lambdas, sa_lambdas, x0_lambdas, bigram_lambdas = s[:11], s[11:33].view(11, 2), model.x0_lambdas, s[33:44]
-    smear_lambda, backout_lambda, skip_weights = s[44], s[45], s[46:51]
-    bigram = model.bigram_embed(records_bigram_hash(tokens, model.bigram_embed.num_embeddings))[None]
+def records_forward(model, tokens, window, skips, long_window=None, backout_layer=-1, key_offset=True,
+                    backout_attention=True, inject="after attention", lambda_dtype=None):
+    """The 2026-03-22 record's GPT.forward written out up to the final stream (before its norm), on the layers of
+    LAYOUTS[L] (L the model's depth) with the skips {receiver: partner} given: the smear, x = x0 = norm(smeared); x +
+    bigram b_0 once (the bigram embedding's rows by the record's hash); x0_inject, made before the layers: x0 l_0, then
+    x0 l_i + bigram b_i; in layer i, a skip receiver first adds its partner's output times sigmoid(w) 2 sigmoid(v .
+    x0[:12]) (the record's skip_gate_out); an attention layer computes attn_out by records_attention on norm(x), or,
+    past the backout layer, on norm of the stream as that layer left it (the record's x_backout), then x = r_a x + p_a
+    attn_out + x0_inject_i; every layer x = r_m x + p_m mlp(norm(x)); the backout layer's output times its lambda taken
+    out at the end. The long layers attend over (long_window or window) blocks with the key offset, the others over half
+    the window, over the doubled sequence where the model pairs their heads. The stream's four lambda tensors in the
+    stream's dtype (the record's .bfloat16()). Controls: lambda_dtype keeps them in another; backout_attention=False
+    attends over the stream itself past the backout layer; inject="into the input" adds x0_inject_i to the layer's input
+    before its attention reads it, as the records before 2026-02-12 added x0 and the bigram to each layer's input."""
+    F, norm, L = torch.nn.functional, train_gpt.norm, model.num_layers
+    layout = LAYOUTS[L]
+    s = model.scalars
+    sa_lambdas, smear_lambda, backout_lambda = s[:2 * L].view(L, 2), s[2 * L], s[2 * L + 1]
+    skip_weights, first_receiver = s[s.numel() - len(layout["skips"]):], min(layout["skips"])
     e = model.embed(tokens)
     gate = smear_lambda * torch.sigmoid(F.linear(e[1:, :12], model.smear_gate.weight))
-    x = x0 = train_gpt.norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
-    ve = model.value_embeds.view(5, -1, 32)[:, tokens]
-    ve = [None, ve[0][None], ve[1][None], None, None, None, None, None, ve[2][None], ve[3][None], ve[4][None]]
+    x = x0 = norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
+    resid, post, x0_lambdas, bigram_lambdas = (p.to(lambda_dtype or x.dtype) for p in (
+        model.resid_lambdas, model.post_lambdas, model.x0_lambdas, model.bigram_lambdas))
+    bigram = model.bigram_embed(records_bigram_hash(tokens, model.bigram_embed.num_embeddings))[None]
+    x = x + bigram * bigram_lambdas[0]
+    x0_inject = (x0 * x0_lambdas[0],) + tuple(x0 * x0_lambdas[i] + bigram * bigram_lambdas[i] for i in range(1, L))
+    skip_gate_out = {i: torch.sigmoid(skip_weights[i - first_receiver]) * 2 * torch.sigmoid(
+        F.linear(x0[..., :12], model.skip_gate.weight)) for i in skips}
+    ve = [None if t is None else ve_table(model, t)[tokens][None] for t in layout["ve"]]
     long_mask = train_gpt.attention_mask(tokens, (long_window or window) * train_gpt.BLOCK_SIZE, "sdpa")
     short_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa")
     paired_mask = train_gpt.attention_mask(tokens, window // 2 * train_gpt.BLOCK_SIZE, "sdpa", paired=True)
-    skips = []
-    for i in range(11):
-        if unet and 5 <= i < 10:
-            x = x + torch.sigmoid(skip_weights[i - 5]) * 2 * torch.sigmoid(F.linear(x0[..., :12], model.skip_gate.weight)) * skips.pop()
-        if not unet and i == 6:
-            x = x + torch.sigmoid(skip_weights[1]) * 2 * torch.sigmoid(F.linear(x0[..., :12], model.skip_gate.weight)) * skips.pop()
-        if i == 0:
-            x = (resid_lambdas[0] + x0_lambdas[0]) * x + bigram_lambdas[0] * bigram
-        else:
-            x = resid_lambdas[i] * x + x0_lambdas[i] * x0 + bigram_lambdas[i] * bigram
-        block = model.blocks[i]
-        if i != 6:
-            x = x + records_attention(block.attn, train_gpt.norm(x), ve[i], sa_lambdas[i],
-                                      long_mask if i in (3, 10) else paired_mask if i in (0, 2, 5, 9) else short_mask,
-                                      model.rotary, model.attention_scales[window], key_offset=i in (3, 10))
-        h = F.relu(F.linear(train_gpt.norm(x), block.mlp.c_fc)).square()
-        x = x + F.linear(h, block.mlp.c_proj.T)
-        if (unet and i < 5) or (not unet and i == 3):
-            skips.append(x)
-        if i == 7:
+    outputs, x_backout = {}, None
+    for i, block in enumerate(model.blocks):
+        if i in skips:
+            x = x + skip_gate_out[i] * outputs[skips[i]]
+        if inject == "into the input":
+            x = x + x0_inject[i]
+        if i != layout["attention_free"]:
+            long = i in layout["long"]
+            mask = long_mask if long else paired_mask if block.attn.paired else short_mask
+            attn_in = x_backout if x_backout is not None and backout_attention else x
+            attn_out = records_attention(block.attn, norm(attn_in), ve[i], sa_lambdas[i], mask, model.rotary,
+                                         model.attention_scales[window], key_offset=key_offset and long)
+            if inject == "after attention":
+                x = resid[i, 0] * x + post[i, 0] * attn_out + x0_inject[i]
+            else:
+                x = resid[i, 0] * x + post[i, 0] * attn_out
+        x = resid[i, 1] * x + post[i, 1] * F.linear(F.relu(F.linear(norm(x), block.mlp.c_fc.type_as(x))).square(),
+                                                    block.mlp.c_proj.T.type_as(x))
+        outputs[i] = x
+        if i == backout_layer:
             x_backout = x
-    expected = x - backout_lambda * x_backout
-    assert torch.equal(model.trunk(tokens, window, long_window=long_window), expected)
+    return x if x_backout is None else x - backout_lambda * x_backout
+
+
+@pytest.mark.parametrize("listing", ["2025-12-14", "full U"])
+@pytest.mark.parametrize("window, long_window", [(1, None), (2, None), (4, None), (2, 4)])
+def test_the_records_structure_computes_the_records_forward(window, long_window, listing):
+    """The trunk against the 2026-03-22 record's GPT.forward written out, blocks included (records_forward; and a U-net
+    of every skip, 4..0 into 5..9): the smear; the bigram embedding once before layer 0 and, with x0, after each later
+    attention (x0 alone after layer 0's); layer 3's output added through a sigmoid gate times 2 sigmoid(v . x0[:12])
+    where layer 6 has no attention; each sub-layer's r x + p out; attention by records_attention, the heads paired in
+    0, 2, 5 and 9 (their short window over the doubled sequence), the key shifted on the long layers 3 and 10; layers
+    8, 9 and 10 attending over the stream as layer 7 left it, which times its lambda is taken out at the end; the final
+    validation's wider long window on 3 and 10 alone. The same operations in the same order: equal to the bit, with
+    every weight and lambda random. Controls, each differing: layers 8..10 attending over their own input (the records
+    before 2026-03-06), x0 and the bigram joining each layer's input before its attention (before 2026-02-12)."""
+    unet = listing == "full U"
+    model = randomize_(records_structure_gpt(skip_layers=None if unet else (6,)))
+    tokens, _ = documents()
+    skips = LAYOUTS[11]["skips"] if unet else {6: 3}
+    forward = functools.partial(records_forward, model, tokens, window, skips, long_window, backout_layer=7)
+    with torch.no_grad():
+        trunk = model.trunk(tokens, window, long_window=long_window)
+        assert torch.equal(trunk, forward())
+        assert not torch.equal(trunk, forward(backout_attention=False))
+        assert not torch.equal(trunk, forward(inject="into the input"))
 
 
 def test_the_smear_by_hand():
@@ -1127,20 +1182,23 @@ def test_the_eval_loss_takes_the_softcap_in_the_run_dtype(chunk, monkeypatch):
 
 
 def test_the_run_dtype_rounds_every_weight_and_the_losses_take_it():
-    """GPTConfig.dtype bf16 (the records' run dtype): every parameter but the scalars, the x0 lambdas and the value
-    embeddings, and the rotary tables, is the float32 build's rounded to bf16 (each init draw made in float32, or in bf16
-    from the same numbers, and rounded once, so the draws are the same); the value embeddings, drawn in bf16 and
-    scaled in it, are the record's bf16(0.01 bf16(z)) of the float32 build's draw z; training's loss is SoftcappedLoss's sum over the bf16
-    lm_head's raw logits (the records' from 2026-01-16), to the bit (random weights); validation's is
-    chunked_eval_loss's mean over the bf16 normed trunk output and lm_head, to the bit."""
+    """GPTConfig.dtype bf16 (the records' run dtype): every parameter but the scalars, the stream's four lambda tensors
+    and the value embeddings, and the rotary tables, is the float32 build's rounded to bf16 (each init draw made in
+    float32, or in bf16 from the same numbers, and rounded once, so the draws are the same); the value embeddings, drawn
+    in bf16 and scaled in it, are the record's bf16(0.01 bf16(z)) of the float32 build's draw z. With random weights:
+    the trunk is the 2026-03-22 record's forward written out (records_forward) with the stream's lambdas rounded to bf16
+    (the record's .bfloat16()), to the bit, and the same forward with them in float32 differs; training's loss is
+    SoftcappedLoss's sum over the bf16 normed trunk output and lm_head weight, to the bit; validation's is
+    chunked_eval_loss's mean over them, to the bit."""
     def build(dtype):
         torch.manual_seed(0)
         return train_gpt.GPT(train_gpt.GPTConfig(VOCAB, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=T,
                                                  windows=WINDOWS, dtype=dtype))
 
     plain, rounded = build(torch.float32), build(torch.bfloat16)
+    float32_parameters = ("scalars", "resid_lambdas", "post_lambdas", "x0_lambdas", "bigram_lambdas")
     for (name, p), q in zip(rounded.named_parameters(), plain.parameters(), strict=True):
-        rounds = name not in ("scalars", "x0_lambdas")
+        rounds = name not in float32_parameters
         assert p.dtype == (torch.bfloat16 if rounds else torch.float32), name
         assert torch.equal(p, q.to(p.dtype)) != (name == "value_embeds"), name
     torch.manual_seed(0)
@@ -1153,12 +1211,18 @@ def test_the_run_dtype_rounds_every_weight_and_the_losses_take_it():
         assert torch.equal(getattr(rounded.rotary, table), getattr(plain.rotary, table).bfloat16())
     rounded = randomize_(rounded)
     inputs, targets = documents()
+    with torch.no_grad():
+        trunk = rounded.trunk(inputs, 2)
+        assert trunk.dtype == torch.bfloat16
+        assert torch.equal(trunk, records_forward(rounded, inputs, 2, LAYOUTS[4]["skips"]))
+        assert not torch.equal(trunk, records_forward(rounded, inputs, 2, LAYOUTS[4]["skips"],
+                                                      lambda_dtype=torch.float32))
     loss = rounded.train()(inputs, targets, 2)
     x = train_gpt.norm(rounded.trunk(inputs, 2))
-    logits = torch.nn.functional.linear(x, rounded.lm_head.weight)  # by hand: bf16, unsoftcapped
-    assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16
-    assert torch.equal(loss, train_gpt.SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), targets, torch.ones(1),
-                                                            train_gpt.LOGIT_SOFTCAP, train_gpt.LOGIT_OFFSET).sum())
+    assert loss.dtype == torch.float32 and x.dtype == rounded.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(loss, train_gpt.SoftcappedLoss.apply(x.view(-1, x.size(-1)), rounded.lm_head.weight, targets,
+                                                            torch.ones(1), train_gpt.LOGIT_SOFTCAP,
+                                                            train_gpt.LOGIT_OFFSET).sum())
     with torch.no_grad():
         val = rounded.eval()(inputs, targets, 2)
         expected = train_gpt.chunked_eval_loss(x[0], rounded.lm_head.weight, targets, train_gpt.LOGIT_SOFTCAP,
@@ -1166,62 +1230,83 @@ def test_the_run_dtype_rounds_every_weight_and_the_losses_take_it():
     assert torch.equal(val, expected)
 
 
-def records_fused_loss(logits, targets, weights, grad, cap=23.0, offset=5.0, spread=7.5):
-    """The 2026-01-16 record's fused_softcapped_entropy kernels written out, row by row, in their order (torch's exp
-    and log for Triton's): forward s = 1 / (1 + exp(-(x + offset) / spread)) (tl.sigmoid) of the float32 raw logits,
-    z = cap s, lse by its loop over blocks of 1024 columns (the last padded with -inf): the running maximum m', the
-    running sum times exp(m - m') plus the block's sum of exp(z - m'), then m + log(sum); loss_r = the sum over k in
-    order of w_k (lse_r - z[target_(r+k)]) where r + k < T; backward, with the upstream gradient g_r, S_w the sum of
-    the valid w_k in order and t2 the weights aimed at each column summed in k's order:
-    bf16(g_r (S_w exp(z - lse) - t2) ((1 / spread) z) (1 - s))."""
-    T, n = targets.numel(), weights.numel()
-    losses, grads = torch.zeros(T), torch.zeros(logits.shape, dtype=logits.dtype)
-    blocks = -(-logits.size(1) // 1024)
+def records_fused_loss(logits, targets, weights, grad, grad_s=1.0, block=2048, cap=23.0, offset=5.0, spread=7.5):
+    """The 2026-03-22 record's fused_softcapped_entropy kernels written out, row by row, in their order, in float32 (its
+    scalars float32, as Triton takes a Python float; torch's exp and log for Triton's). Forward: inv_C = 1 / C and
+    B_div_C = B inv_C; s = 1 / (1 + exp(-(x inv_C + B_div_C))) (tl.sigmoid) of the float32 raw logits x, z = A s; lse
+    by its loop over blocks of 2048 columns (the last padded with -inf): the running maximum m', the running sum times
+    exp(m - m') plus the block's sum of exp(z - m'), then m + log(sum); loss_r = the sum over k in order of w_k (lse_r
+    - z[target_(r+k)]) where r + k < T. Backward: with the upstream gradient g_r, S_w the sum of the valid w_k in
+    order and term2 the weights aimed at each column summed in k's order, ((g_r (1 / grad_s)) (inv_C A)) (S_w exp(z -
+    lse) - term2) s (1 - s), left to right; returned in float32, as before the kernel's rounding (to e5m2)."""
+    T, V, n = targets.numel(), logits.size(1), weights.numel()
+    one = torch.tensor(1.0)
+    inv_C = one / spread
+    B_div_C, inv_C_A, inv_grad_s = offset * inv_C, inv_C * cap, one / torch.tensor(grad_s)
+    losses, grads = torch.zeros(T), torch.zeros(T, V)
+    blocks = -(-V // block)
     for r in range(T):
-        s = 1 / (1 + torch.exp(-((logits[r].float() + offset) / spread)))
+        s = 1 / (1 + torch.exp(-(logits[r].float() * inv_C + B_div_C)))
         z = cap * s
-        padded = torch.cat([z, z.new_full((blocks * 1024 - z.numel(),), float("-inf"))])
-        running, total = torch.tensor(float("-inf")), torch.tensor(0.0)
+        padded = torch.cat([z, z.new_full((blocks * block - V,), float("-inf"))])
+        max_val, sum_exp = torch.tensor(float("-inf")), torch.tensor(0.0)
         for b in range(blocks):
-            block = padded[b * 1024:(b + 1) * 1024]
-            new = torch.maximum(running, block.max())
-            total = total * torch.exp(running - new) + torch.exp(block - new).sum()
-            running = new
-        lse = running + torch.log(total)
-        loss, weight_sum, aimed = torch.zeros(()), torch.zeros(()), torch.zeros_like(z)
+            columns = padded[b * block:(b + 1) * block]
+            new_max = torch.maximum(max_val, columns.max())
+            sum_exp = sum_exp * torch.exp(max_val - new_max) + torch.exp(columns - new_max).sum()
+            max_val = new_max
+        lse = max_val + torch.log(sum_exp)
+        loss, weight_sum, term2 = torch.zeros(()), torch.zeros(()), torch.zeros(V)
         for k in range(n):
             if r + k < T:
                 loss = loss + weights[k] * (lse - z[targets[r + k]])
                 weight_sum = weight_sum + weights[k]
-                aimed[targets[r + k]] = aimed[targets[r + k]] + weights[k]
+                term2[targets[r + k]] += weights[k]
         losses[r] = loss
-        grads[r] = (grad[r] * (weight_sum * torch.exp(z - lse) - aimed) * (((1 / spread) * z) * (1 - s))).to(logits.dtype)
+        grads[r] = grad[r] * inv_grad_s * inv_C_A * (weight_sum * torch.exp(z - lse) - term2) * s * (1 - s)
     return losses, grads
 
 
+def loss_case_targets(g, T, V):
+    """T random targets below V, some coinciding across the next three: the same column for k = 0, 1, 2 in row 7, for
+    k = 0 and 2 (not 1) in row 15, and for the two k left in row T - 2, near the end."""
+    targets = torch.randint(0, V, (T,), generator=g)
+    targets[7] = targets[8] = targets[9]
+    targets[15] = targets[17]
+    targets[T - 2] = targets[T - 1]
+    assert targets[16] != targets[15]
+    return targets
+
+
 def test_the_training_loss_is_the_records_fused_cross_entropy():
-    """SoftcappedLoss against the record's kernels written out (records_fused_loss), 50304 columns (50 blocks): the
-    per-row losses and the bf16 gradient of the raw logits equal to the bit, with three predictions (targets
-    coinciding across k, so the weights aimed at one column add) and with one. Against a float64 loop of the same
-    formula: the loss within its float32 roundings (each softcapped logit within (2 EXP_ULPS + 4) u of cap, the V-term
-    sum and each block's rescale (an exp and two roundings), the exp and log, each term's difference and product, the
-    k terms' sum), the gradient within its one bf16 rounding and 64 float32 ones of its terms' magnitudes. Counting the
-    terms past the end (against padding targets) gives another loss; so would torch's logsumexp on these logits."""
+    """SoftcappedLoss without FP8 against the 2026-03-22 record's kernels written out (records_fused_loss), 50304
+    columns (25 blocks, the last partly padding), 29 rows, with three predictions (loss_case_targets: targets that
+    coincide across k, so the weights aimed at one column add, also in a row near the end, where fewer targets lie
+    ahead) and with one. x = I and w = the bf16 raw logits transposed, so that the logits are exactly w^T and their
+    gradient exactly grad_w^T: the per-row losses and that gradient, rounded once to bf16 from float32, equal to the
+    bit, and grad_x = g w. Against a float64 loop of the same formula: the loss within its float32 roundings (each
+    softcapped logit within (2 EXP_ULPS + 4) u of cap: its argument's products and sum move it by under 2 u, exp's ulps,
+    the sum, the division and the product by cap the rest; the V-term sum and each block's rescale (an exp and two
+    roundings), the exp and log, each term's difference and product, the k terms' sum), the gradient within its one
+    bf16 rounding and 64 float32 ones of its terms' magnitudes. Controls, each giving other losses: counting the terms
+    past the end (against padding targets), torch's logsumexp, the 2026-02-03 record's blocks of 1024 columns and
+    its softcap argument (x + B) / C."""
     g = torch.Generator().manual_seed(0)
     T, V = 29, 50304
     logits = (torch.randn(T, V, generator=g) * 4).bfloat16()
-    targets = torch.randint(0, V, (T,), generator=g)
-    targets[7] = targets[8] = targets[9]  # the same column ahead for k = 0, 1, 2 at row 7
+    targets = loss_case_targets(g, T, V)
     z = train_gpt.kernel_softcap(logits, 23.0, 5.0)[0]
     assert not torch.equal(train_gpt.blockwise_logsumexp(z), torch.logsumexp(z, -1))  # the blocks' order shows
     upstream = torch.rand(T, generator=g) + 0.5
     u = UNIT_ROUNDOFF[torch.float32]
     for weights in (torch.tensor([1.0, 0.5, 0.1875]), torch.tensor([1.0])):
-        ours = logits.clone().requires_grad_()
-        losses = train_gpt.SoftcappedLoss.apply(ours, targets, weights, 23.0, 5.0)
+        x, w = torch.eye(T, dtype=torch.bfloat16).requires_grad_(), logits.T.contiguous().requires_grad_()
+        losses = train_gpt.SoftcappedLoss.apply(x, w, targets, weights, 23.0, 5.0, None)
         losses.backward(upstream)
         by_hand, by_hand_grad = records_fused_loss(logits, targets, weights, upstream)
-        assert torch.equal(losses, by_hand) and torch.equal(ours.grad, by_hand_grad), weights
+        by_hand_grad = by_hand_grad.bfloat16()
+        assert torch.equal(losses, by_hand) and torch.equal(w.grad.T, by_hand_grad), weights
+        assert torch.equal(x.grad, by_hand_grad.mm(logits.T))
         exact_logits = logits.double().requires_grad_()
         blocks = -(-V // train_gpt.LOSS_BLOCK)  # each block's rescale: an exp and two roundings
         z = 23 * torch.sigmoid((exact_logits + 5) / 7.5)
@@ -1237,34 +1322,86 @@ def test_the_training_loss_is_the_records_fused_cross_entropy():
         assert_within(losses, exact.detach(), loss_bound, f"{n} predictions")
         magnitude = upstream.double()[:, None] * n * (23 / 7.5) * 0.25  # |g| S_w max|dz/dx|: a bound of each entry
         grad_bound = UNIT_ROUNDOFF[torch.bfloat16] * exact_logits.grad.abs() + 64 * u * magnitude
-        assert_within(ours.grad, exact_logits.grad, grad_bound, f"{n} predictions' gradient")
+        assert_within(w.grad.T, exact_logits.grad, grad_bound, f"{n} predictions' gradient")
     weights = torch.tensor([1.0, 0.5, 0.1875])
-    kept = train_gpt.SoftcappedLoss.apply(logits, targets, weights, 23.0, 5.0)
+    kept = train_gpt.SoftcappedLoss.apply(torch.eye(T, dtype=torch.bfloat16), logits.T, targets, weights, 23.0, 5.0)
     counted = records_fused_loss(torch.cat([logits, logits[:2]]), torch.cat([targets, targets.new_zeros(2)]), weights,
                                  torch.ones(T + 2))[0][:T]
     assert torch.equal(kept[:T - 2], counted[:T - 2]) and not torch.equal(kept[T - 2:], counted[T - 2:])
+    assert not torch.equal(kept, records_fused_loss(logits, targets, weights, upstream, block=1024)[0])
+    earlier_softcap = 23 * (1 / (1 + torch.exp(-((logits.float() + 5) / 7.5))))
+    assert not torch.equal(train_gpt.kernel_softcap(logits, 23.0, 5.0)[0], earlier_softcap)
+
+
+def test_the_fp8_training_loss_is_the_records_fused_cross_entropy(monkeypatch):
+    """SoftcappedLoss with the record's FP8 scales against the 2026-03-22 record's FusedSoftcappedCrossEntropy written
+    out: its forward's e4m3 copies of x / x_s and of the lm_head weight / w_s (which it stores (model_dim, vocab)) and
+    its bf16 logits by _scaled_mm, called as it calls it; its kernels (records_fused_loss, with grad_s) on 29 rows of
+    normed x and 50304 columns of an lm_head spanning the FP8 range, three predictions, targets as in the test above
+    (loss_case_targets); the gradient's e5m2 codes rounded once, from float32; its backward's grad_x (bf16) and grad_w
+    (float32, then the bf16 weight's, as autograd rounds the record's) by _scaled_mm from those codes and the e4m3
+    copies, as it calls it. The losses, the codes SoftcappedLoss hands fp8_mm_backward, grad_x and grad_w: equal to the
+    bit. The codes made through bf16 (the float32 gradient rounded to bf16, then to e5m2) differ on some entries."""
+    g = torch.Generator().manual_seed(1)
+    T, V, D = 29, 50304, 32
+    x = train_gpt.norm(torch.randn(T, D, generator=g)).bfloat16()
+    w = (torch.rand(V, D, generator=g) * 1.75 - 0.875).bfloat16()
+    targets = loss_case_targets(g, T, V)
+    weights, upstream = torch.tensor([1.0, 0.5, 0.1875]), torch.rand(T, generator=g) + 0.5
+    x_s, w_s, grad_s = scales = train_gpt.LM_HEAD_FP8_SCALES
+    handed = []
+    fp8_mm_backward = train_gpt.fp8_mm_backward
+    monkeypatch.setattr(train_gpt, "fp8_mm_backward",
+                        lambda g_f8, *args: handed.append(g_f8) or fp8_mm_backward(g_f8, *args))
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    losses = train_gpt.SoftcappedLoss.apply(xi, wi, targets, weights, 23.0, 5.0, scales)
+    losses.backward(upstream)
+    # the record's forward, its lm_head weight stored (model_dim, vocab)
+    lm_head_weight = w.T.contiguous()
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = lm_head_weight.div(w_s).to(torch.float8_e4m3fn)
+    logits = torch._scaled_mm(x_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                              scale_a=x.new_tensor(x_s, dtype=torch.float32),
+                              scale_b=x.new_tensor(w_s, dtype=torch.float32))
+    by_hand, grad32 = records_fused_loss(logits, targets, weights, upstream, grad_s)
+    grad_input = grad32.to(torch.float8_e5m2)
+    # the record's backward
+    x_scale, w_scale, grad_scale = (torch.tensor(scale, dtype=torch.float32) for scale in scales)
+    grad_x = torch._scaled_mm(grad_input, w_f8.T, out_dtype=torch.bfloat16, scale_a=grad_scale, scale_b=w_scale,
+                              use_fast_accum=False)
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_input.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=x_scale, scale_b=grad_scale, use_fast_accum=False)
+    assert torch.equal(losses.detach(), by_hand)
+    assert len(handed) == 1 and torch.equal(handed[0].view(torch.uint8), grad_input.view(torch.uint8))
+    assert torch.equal(xi.grad, grad_x) and torch.equal(wi.grad, grad_w.T.bfloat16())
+    through_bf16 = grad32.bfloat16().to(torch.float8_e5m2)
+    assert not torch.equal(through_bf16.view(torch.uint8), grad_input.view(torch.uint8))
 
 
 def test_training_with_multi_token_weights_takes_the_records_loss():
-    """The model's training loss with mtp_weights is SoftcappedLoss's sum over its raw logits with those weights, to
-    the bit; None is the next token's alone (weights (1,)), the summed cross-entropy of the float32 softcap within
-    float32's rounding."""
+    """The model's training loss with mtp_weights is SoftcappedLoss's sum over its normed final stream and the
+    lm_head's weight with those weights, to the bit; None is the next token's alone (weights (1,)), the summed
+    cross-entropy of the float32 softcap of the raw logits within float32's rounding."""
     model = randomize_(records_structure_gpt())
     model.train()
     tokens, targets = documents()
     weights = torch.tensor([1.0, 0.5, 0.2])
-    logits = model.lm_head(train_gpt.norm(model.trunk(tokens, 2))).view(-1, model.lm_head.out_features)
-    loss = train_gpt.SoftcappedLoss.apply(logits, targets, weights, model.logit_cap, model.logit_offset).sum()
+    xn = train_gpt.norm(model.trunk(tokens, 2)).view(T, -1)
+    loss = train_gpt.SoftcappedLoss.apply(xn, model.lm_head.weight, targets, weights, model.logit_cap,
+                                          model.logit_offset).sum()
     assert torch.equal(model(tokens, targets, 2, None, weights), loss)
-    one = train_gpt.SoftcappedLoss.apply(logits, targets, torch.ones(1), model.logit_cap, model.logit_offset).sum()
+    one = train_gpt.SoftcappedLoss.apply(xn, model.lm_head.weight, targets, torch.ones(1), model.logit_cap,
+                                         model.logit_offset).sum()
     assert torch.equal(model(tokens, targets, 2), one) and not torch.equal(one, loss)
+    logits = torch.nn.functional.linear(xn, model.lm_head.weight)
     plain = torch.nn.functional.cross_entropy(train_gpt.softcap(logits), targets, reduction="sum")
     assert abs(one.item() - plain.item()) <= gamma(T + 60) * plain.item()
 
 
 def test_the_skip_input_gate_by_hand():
     """Layer 6's skip with the input gate (the records from 2025-12-29): x + sigmoid(lambda) 2 sigmoid(v . x0[:12]) h3
-    before its mixing, in the record's order of operations: the trunk equals the one whose skip is written out."""
+    before its MLP, in the record's order of operations, x0 the smeared embeddings normed: the trunk equals the one
+    whose skip is written out."""
     model = randomize_(records_structure_gpt())
     assert model.skip_gate.weight.shape == (1, 12)
     tokens, _ = documents()
@@ -1272,14 +1409,51 @@ def test_the_skip_input_gate_by_hand():
     blocks = list(model.blocks)
     hooks = [blocks[3].register_forward_hook(lambda m, a, out: seen.__setitem__("h3", out)),
              blocks[6].register_forward_pre_hook(lambda m, a: seen.__setitem__("in6", a[0])),
-             blocks[5].register_forward_hook(lambda m, a, out: seen.__setitem__("out5", out)),
-             blocks[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("x0", a[0]))]
+             blocks[5].register_forward_hook(lambda m, a, out: seen.__setitem__("out5", out))]
     model.trunk(tokens, 2)
     for hook in hooks:
         hook.remove()
+    x0 = train_gpt.norm(model.smear(model.embed(tokens))[None])
     weight = model.scalars[model.scalars.numel() - model.num_skip_weights + 1]
-    gate = torch.sigmoid(weight) * 2 * torch.sigmoid(torch.nn.functional.linear(seen["x0"][..., :12], model.skip_gate.weight))
+    gate = torch.sigmoid(weight) * 2 * torch.sigmoid(torch.nn.functional.linear(x0[..., :12], model.skip_gate.weight))
     assert torch.equal(seen["in6"], seen["out5"] + gate * seen["h3"])
     with torch.no_grad():
         model.skip_gate.weight.zero_()  # 2 sigmoid(0) = 1: the gate alone
     assert not torch.equal(model.trunk(tokens, 2), randomize_(records_structure_gpt()).trunk(tokens, 2))
+
+
+def test_attention_past_the_backout_layer_reads_the_stream_that_layer_left():
+    """Observed with hooks on every block of the records' structure (the backout after layer 7): the attention of
+    layers 0..7 reads their own input (attention_input is x itself), that of layers 8, 9 and 10 layer 7's output (the
+    records' from 2026-03-06), which from layer 9 on is not their input; with the backout after layer 4, that of layers
+    5..10 layer 4's output. Each block
+    computes from what it is given, to the bit: an attention layer h = r_a x + p_a attn(norm(attention_input)) +
+    injected (attn as records_attention), then r_m h + p_m mlp(norm(h)); the attention-free layer 6, given no injection,
+    the second alone, r_m x + p_m mlp(norm(x)) (neither x0 nor the bigram joins it, nor its attention lambdas)."""
+    F, norm = torch.nn.functional, train_gpt.norm
+    tokens, _ = documents()
+    for backout_layer in (7, 4):
+        model = randomize_(records_structure_gpt(backout_layer=backout_layer))
+        inputs, outputs = {}, {}
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args))
+            block.register_forward_hook(lambda m, args, out, i=i: outputs.__setitem__(i, out))
+        with torch.no_grad():
+            model.trunk(tokens, 2)
+            for i, block in enumerate(model.blocks):
+                x, attention_input, ve, resid, post, injected, attn_lambdas, mask, rotary, scale, *_ = inputs[i]
+                if i <= backout_layer:
+                    assert attention_input is x, (backout_layer, i)
+                else:
+                    assert attention_input is outputs[backout_layer], (backout_layer, i)
+                    assert (attention_input is x) == (i == backout_layer + 1), (backout_layer, i)
+                    assert torch.equal(attention_input, x) == (i == backout_layer + 1), (backout_layer, i)
+                if block.attn is None:
+                    assert i == 6 and injected is None
+                    h = x
+                else:
+                    y = records_attention(block.attn, norm(attention_input), ve, attn_lambdas, mask, rotary, scale,
+                                          key_offset=block.attn.key_offset)
+                    h = model.resid_lambdas[i, 0] * x + model.post_lambdas[i, 0] * y + injected
+                mlp = F.linear(F.relu(F.linear(norm(h), block.mlp.c_fc)).square(), block.mlp.c_proj.T)
+                assert torch.equal(outputs[i], model.resid_lambdas[i, 1] * h + model.post_lambdas[i, 1] * mlp), i

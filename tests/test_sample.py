@@ -66,6 +66,20 @@ def test_a_checkpoint_holding_a_setting_since_removed_is_refused_naming_it(train
     assert sample.main([str(path), "--device=cpu"]) == 2 and capsys.readouterr().err.strip() == f"error: {message}"
 
 
+def test_a_checkpoint_from_before_the_2026_03_22_stream_is_refused(trained, tmp_path):
+    """A checkpoint of the 02-03 form (a packed_doc_len of one int, no lambda_lr: the stream's lambdas then lived in
+    the scalars) is refused in one line saying so, not with a TypeError of its int."""
+    state = torch.load(trained[0], weights_only=True)
+    del state["hyperparameters"]["lambda_lr"]
+    state["hyperparameters"]["packed_doc_len"] = 0
+    path = tmp_path / "0203.pt"
+    torch.save(run_support.seal(state, "cycle", "edited", None), path)
+    with pytest.raises(train_gpt.ConfigError) as error:
+        sample.load_model(path, torch.device("cpu"))
+    assert str(error.value) == (f"{path}: made by an earlier train_gpt.py, before the 2026-03-22 record's residual "
+                                f"stream; load it with the tools of the commit that made it")
+
+
 def test_a_final_checkpoint_samples_with_its_last_validations_long_window(trained, tmp_path):
     """final_long_window widens the long layers at a run's last validation: load_model hands it over for the
     checkpoint of the last step, and none for an earlier step's or a run without it."""

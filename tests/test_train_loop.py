@@ -124,8 +124,8 @@ def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
     summed = {}
     for step, batch in enumerate(batches):
         trainer.train_step(step, batch)
-        # the first window stage's, times the records' grad_scale 2 / (1 micro-step)
-        (model(*batch[0], trainer.window, None, trainer.mtp_weights[step]) * 2.0).backward()
+        # the first window stage's, times the record's grad_scale 1 / (1 micro-step)
+        (model(*batch[0], trainer.window, None, trainer.mtp_weights[step]) * 1.0).backward()
         for p in adam_params:
             summed[p] = p.grad.clone() if step == 0 else summed[p] + p.grad
             p.grad = None
@@ -163,7 +163,7 @@ def test_a_tied_embedding_joins_the_lm_heads_gradient_on_adams_step_by_hand():
     for step, batch in enumerate(batches):
         trainer.train_step(step, batch)
         for inputs, targets in batch:
-            (model(inputs, targets, trainer.window, None, trainer.mtp_weights[step]) * (2 / 2)).backward()  # 2 / micro-steps
+            (model(inputs, targets, trainer.window, None, trainer.mtp_weights[step]) * (1 / 2)).backward()  # 1 / micro-steps
         muon_step_by_hand(adam, muon, step, args)
     model.lm_head.weight.grad.add_(model.embed.weight.grad)
     adam.step()
@@ -575,6 +575,49 @@ def test_packed_documents_worked_out_by_hand(tmp_path):
     assert all(s.state_dict() == dict(shard_index=0, pos=27, epoch=1) for s in streams)
 
 
+def test_each_batch_clips_its_documents_to_its_own_length(tmp_path):
+    """next_batch's doc_len (the records' shorter first stage, from 2026-02-10) clips that batch's documents; the next
+    batch, without one, takes the stream's. Worked out by hand on PACKED_BATCHES' shards: clipped to 7, slot 0 holds
+    document 1 whole and 2 up to the slot's end, slot 1 document 3 whole and 4 clipped to 7; then, clipped to 5 from
+    document 5, slot 0 holds 5 and 6 whole and 7's EOT, and shard 0 runs out: PACKED_BATCHES' second batch."""
+    documents_shard(tmp_path / "p_train_000000.bin", [3, 7, 2, 9, 4, 4, 6], lead=2)
+    documents_shard(tmp_path / "p_train_000001.bin", [6] * 4, lead=3, first=11)
+    stream = packed_stream(tmp_path)
+    assert_slots(stream.next_batch(0, 1, 8, 7), [[E, 1001, 1002, E, 2001, 2002, 2003, 2004, 2005],
+                                                 [E, 3001, E, 4001, 4002, 4003, 4004, 4005, 4006]])
+    assert_slots(stream.next_batch(0, 1, 8), PACKED_BATCHES[1])
+
+
+def test_a_run_clips_each_stage_s_documents_to_its_own_length(tmp_path, monkeypatch):
+    """A run with packed_doc_len=5,7 over 4 steps asks each batch for its stage's clip (doc_len_at: 5 in steps 0 and 1,
+    7 in 2 and 3), and every document of its batches starts with an EOT and is at most that long."""
+    import numpy as np
+    import shards
+    rng = np.random.default_rng(0)
+    for name in ("train", "val"):
+        tokens = []
+        for d in range(400):
+            tokens += [train_gpt.EOT_TOKEN] + [1000 * (d % 40) + i for i in range(1, int(rng.integers(3, 12)))]
+        shards.write_shard(tmp_path / f"docs_{name}_000000.bin", np.array(tokens))
+    asked, original = [], train_gpt.TokenStream.next_batch
+
+    def recorded(self, rank, world_size, seq_len, doc_len=None):
+        batch = original(self, rank, world_size, seq_len, doc_len)
+        asked.append((doc_len, batch))
+        return batch
+
+    monkeypatch.setattr(train_gpt.TokenStream, "next_batch", recorded)
+    run([f"--train_files={tmp_path}/docs_train_*.bin", f"--val_files={tmp_path}/docs_val_*.bin"], tmp_path,
+        "--vocab_size=50257", "--packed_doc_len=5,7", "--num_iterations=4")
+    assert [doc_len for doc_len, _ in asked] == [5, 5, 7, 7]
+    for doc_len, batch in asked:
+        for inputs, targets in batch:
+            tokens = torch.cat([inputs, targets[-1:]]).tolist()
+            starts = [i for i, t in enumerate(tokens) if t == train_gpt.EOT_TOKEN] + [len(tokens)]
+            assert starts[0] == 0 and max(b - a for a, b in zip(starts, starts[1:])) <= doc_len
+    assert max(b - a for a, b in zip(starts, starts[1:])) == 7  # the clip is reached
+
+
 def test_a_packed_stream_resumes_at_the_same_batch(tmp_path):
     """Restored after each batch (mid-shard, and at the end of a shard's documents), a stream gives what
     the uninterrupted one gives next."""
@@ -643,8 +686,11 @@ def test_each_optimizer_group_gets_its_lr():
                       tuple(map(id, gates)): (args.gate_lr, 1.0, (0.9, 0.99)),
                       (id(model.smear_gate.weight),): (args.smear_gate_lr, 0.0, (0.9, 0.99)),
                       (id(model.skip_gate.weight),): (args.skip_gate_lr, 0.0, (0.9, 0.99)),
-                      (id(model.x0_lambdas),): (args.scalar_lr, 0.0, (0.65, 0.95)),
-                      (id(model.scalars),): (args.scalar_lr, 0.0, (0.9, 0.99))}
+                      (id(model.scalars),): (args.scalar_lr, 0.0, (0.9, 0.99)),
+                      (id(model.resid_lambdas),): (args.scalar_lr, 0.0, (0.9, 0.95)),
+                      (id(model.post_lambdas), id(model.x0_lambdas), id(model.bigram_lambdas)):
+                          (args.lambda_lr, 0.0, (0.9, 0.95))}
+    assert args.lambda_lr != args.scalar_lr  # the two lrs show apart
     assert all(g["weight_decay"] == 0.005 for g in adam.param_groups)
     assert {id(p) for g in muon.param_groups for p in g["params"]} == \
         {id(p) for p in model.blocks.parameters() if p.ndim >= 2} - set(map(id, gates))
@@ -706,7 +752,8 @@ RECORDS_DTYPES = ["--dtype=bfloat16"]  # every parameter but the scalars, and th
     (["--num_layers=1"], "num_layers=1 must be at least 2"),
     (["--val_tokens=1000"], "val_tokens=1000 must be a positive multiple of val_seq_len"),
     (["--window_stages=2,0"], "window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
-    (["--packed_doc_len=-1"], "packed_doc_len=-1 must be >= 0"),
+    (["--packed_doc_len=-1"], "packed_doc_len=-1 must be positive (packed documents, one clip per stage) or 0"),
+    (["--packed_doc_len=896,0"], "packed_doc_len=896,0 must be positive"),
     (["--head_dim=62"], "head_dim=62 must be a multiple of 4 (rotary on half of the dims, in pairs)"),
     (["--num_heads=2"], "num_heads x head_dim = 2 x 64 must equal model_dim=64 (q, k, v and the output projection "
                         "share one (4, model_dim, model_dim) parameter)"),
@@ -754,43 +801,45 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2026-02-03 VeTuned) choices, the forms every run
+    """The record preset keeps the published record's (2026-03-22 VarlenMaxDocs) choices, the forms every run
     has fixed in constants; the project's own are settings."""
     args, _ = train_gpt.parse_args([], "record")
-    assert (args.muon_lr, args.muon_neuron_beta2, args.muon_cautious_wd, args.skip_layers) == (0.023, 0.95, 1.2, "6")
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1547, 40, 0.55)
+    assert (args.muon_lr, args.muon_neuron_beta2, args.muon_cautious_wd, args.skip_layers) == (0.023, 0.9, 1.2, "6")
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1490, 40, 0.6)
     assert args.num_layers == 11 and args.adam_eps == 1e-10
     assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
+    assert args.lambda_lr == 0.008
     assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr) == (0.008, 8e-5, 4e-4)
     assert args.paired_head_layers == "0,2,5,9"
     assert (args.logit_cap, args.logit_offset) == (23.0, 5.0)
     assert (args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps) == (300, 50)
     assert (args.seq_len, args.batch_slots, args.val_loss_every) == ((16384, 32768, 49152), 8, 250)
-    assert args.packed_doc_len == 2048 and args.warmup_steps == 30
+    assert args.packed_doc_len == (896, 2048, 2048) and args.warmup_steps == 30
     assert (args.window_stages, args.final_window, args.final_long_window, args.attention_scale) == ((3, 7, 11), 13, 20, 0.1)
     assert args.backout_layer == 7 and args.yarn and args.dtype == "bfloat16"
     train_gpt.check_hyperparameters(args, 8)
     # the record's forms, which every run has
     assert (train_gpt.ADAM_BETAS, train_gpt.ADAM_CAUTIOUS_WD, train_gpt.ADAM_EVERY) == (
-        dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), x0=(0.65, 0.95)), 0.005, 2)
+        dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), stream=(0.9, 0.95)), 0.005, 2)
     assert (train_gpt.LR_STAGE_PEAKS, train_gpt.MTP_WEIGHTS, train_gpt.UNTIE_EMBED_FRAC) == (
         (1.0, 1.52, 1.73), (1.0, 0.5, 0.25), 2 / 3)
-    assert (train_gpt.MLP_DOWN_LR_MUL, train_gpt.RESIDUAL_LAMBDA_INIT) == (2.0, 1.1)
+    assert (train_gpt.MLP_DOWN_LR_MUL, train_gpt.RESIDUAL_LAMBDA_INIT, train_gpt.BIGRAM_LAMBDA_INIT) == (2.0, 1.1**0.5, 0.05)
+    assert (train_gpt.LR_FLOOR, train_gpt.LOSS_BLOCK) == (0.15, 2048)
     assert (train_gpt.VE_INIT_STD, train_gpt.HEAD_INIT_STD) == (0.01, 0.005)
     assert train_gpt.ORTHOGONALIZATION_STEPS == 5  # Polar Express's
-    assert train_gpt.LM_HEAD_FP8_SCALES == (100 / 448, 1.6 / 448, 0.75 / 448) and train_gpt.LOSS_SCALE == 2.0
-    for world_size, grad_s in ((1, 2 / 8 * 0.75 / 448), (8, 2 * 0.75 / 448)):  # the record's grad_scale * 0.75 / 448
+    assert train_gpt.LM_HEAD_FP8_SCALES == (100 / 448, 1.6 / 448, 0.75 / 448) and train_gpt.LOSS_SCALE == 1.0
+    for world_size, grad_s in ((1, 1 / 8 * 0.75 / 448), (8, 1 * 0.75 / 448)):  # the record's grad_scale * 0.75 / 448
         plan = dataclasses.replace(train_gpt.plan_device(args, torch.device("cpu")), fp8=True)
         model = train_gpt.build_model(dataclasses.replace(args, num_layers=2, model_dim=64, num_heads=1, head_dim=64,
                                                           skip_layers="all", backout_layer=-1, paired_head_layers="none"),
                                       128, plan, world_size)
-        assert model.lm_head.fp8_scales == (100 / 448, 1.6 / 448, grad_s), world_size
+        assert model.fp8_scales == (100 / 448, 1.6 / 448, grad_s), world_size
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
-    for shown in ("--num_iterations=1547", "--extension_steps=40", "--cooldown_frac=0.55",
+    for shown in ("--num_iterations=1490", "--extension_steps=40", "--cooldown_frac=0.6", "--muon_neuron_beta2=0.9",
                   "--window_stages=3,7,11",
                   "--seq_len=16384,32768,49152", "--num_layers=11", "--logit_cap=23.0",
-                  "--final_window=13", "--final_long_window=20", "--packed_doc_len=2048", "--warmup_steps=30",
+                  "--final_window=13", "--final_long_window=20", "--packed_doc_len=896,2048,2048", "--warmup_steps=30",
                   "--attention_scale=0.1", "--yarn=True", "--skip_layers='6'",
                   "--muon_cautious_wd=1.2", "--paired_head_layers='0,2,5,9'", "--adam_eps=1e-10"):
         assert shown in help_text, shown

@@ -5,8 +5,8 @@
 
 Runs the forward in eager mode on CPU with bf16 activations at two sequence lengths and counts the
 bytes autograd saves (parameters excluded); the difference gives the bytes per token, the rest the
-weight copies cast to bf16. Add parameters, gradients and optimizer states, and the float32 gradient
-of the logits that backward makes. An estimate: on GPU, torch.compile recomputes cheap operations
+weight copies cast to bf16. Add parameters, gradients and optimizer states, and the gradient of the
+logits that backward makes: float32, then its e5m2 copy (the record's FP8 lm_head, which the CPU runs too). An estimate: on GPU, torch.compile recomputes cheap operations
 instead of saving them, and the allocator's caching and fragmentation come on top.
 """
 
@@ -39,9 +39,9 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
-        logits = model.lm_head(train_gpt.norm(x))  # training's loss: its raw logits saved, and the log-sum-exps
-        train_gpt.SoftcappedLoss.apply(logits.view(-1, logits.size(-1)), tokens[1:], torch.ones(1), model.logit_cap,
-                                       model.logit_offset).sum()
+        # training's loss with the FP8 lm_head: its raw logits, log-sum-exps and the matmul's e4m3 operands saved
+        train_gpt.SoftcappedLoss.apply(train_gpt.norm(x).view(T, -1), model.lm_head.weight, tokens[1:], torch.ones(1),
+                                       model.logit_cap, model.logit_offset, train_gpt.LM_HEAD_FP8_SCALES).sum()
     return trunk, sum(storages.values()) - trunk
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     muon_bytes = sum((4 + 2 * (p.dtype == torch.bfloat16)) * p.numel() for group in muon.param_groups for p in group["params"])
     adam_state_bytes = sum(8 * p.numel() for group in adam.param_groups for p in group["params"])  # 2 float32 moments
     fixed = 2 * weights + adam_state_bytes + muon_bytes + casts
-    logit_grad = 2 * model.lm_head.weight.size(0)  # one position's logits' gradient, in bf16
+    logit_grad = 5 * model.lm_head.weight.size(0)  # one position's logits' gradient: float32, then e5m2
     print(f"{args.preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters: saved for backward "
           f"per token {per_token[0] / 1024:.0f} KiB in the blocks + {per_token[1] / 1024:.0f} KiB for the logits "
           f"({per_token[1] / model.lm_head.weight.size(0):.1f} bytes each); {fixed / GIB:.1f} GiB of weights, gradients, "

@@ -113,8 +113,12 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     state = run_support.read_checkpoint(path)
     known = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     removed = sorted(set(state["hyperparameters"]) - known)  # what they chose may differ from what is now fixed
-    if removed or isinstance(state["hyperparameters"].get("seq_len"), int) or "paired_head_layers" not in state["hyperparameters"]:
-        why = f"with settings since removed ({', '.join(removed)})" if removed else "before the 2026-01-07 record's layouts"
+    saved = state["hyperparameters"]
+    before = [record for record, earlier in (
+        ("the 2026-01-07 record's layouts", isinstance(saved.get("seq_len"), int) or "paired_head_layers" not in saved),
+        ("the 2026-03-22 record's residual stream", "lambda_lr" not in saved)) if earlier]
+    if removed or before:
+        why = f"with settings since removed ({', '.join(removed)})" if removed else f"before {before[0]}"
         raise train_gpt.ConfigError(f"{path}: made by an earlier train_gpt.py, {why}; load it with the tools of the "
                                     f"commit that made it")
     args = train_gpt.Hyperparameters(**state["hyperparameters"])
