@@ -1456,8 +1456,7 @@ class Hyperparameters:
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.008  # Adam lr for the token embedding, once untied
     value_embed_lr: float = 0.6  # Adam lr for the value embeddings and the bigram embedding (the records give both the same)
-    scalar_lr: float = 0.04  # Adam lr for the skip weights, the smear's, backout's and attention's lambdas and the stream's scales
-    lambda_lr: float = 0.008  # Adam lr for the weights of the sub-layers' outputs, x0 and the bigram embedding in the stream
+    scalar_lr: float = 0.04  # Adam lr for the skip weights, the smear's, backout's and attention's lambdas and the stream's scales (/ SCALAR_LR_MUL: its other lambdas)
     gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
     skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
@@ -1521,7 +1520,6 @@ PRESETS = {
         embed_lr=0.11 / 128**0.5,  # the lm_head's, as the record's (the embedding starts as its copy)
         value_embed_lr=0.3,  # Adam lrs x0.5 of the record's (the bigram table's too): better at 2 x 1024 tokens a step
         scalar_lr=0.02,
-        lambda_lr=0.004,
         muon_lr=0.025,  # x the shape factors: attention 0.025, the MLP's up 0.05 and down 0.1 (MLP_DOWN_LR_MUL)
         muon_momentum_warmup_steps=30,  # set for 85 steps of 8 x 1024, kept since; unmeasured against the record's 300 scaled
         muon_momentum_cooldown_steps=8,  # the record's 50 of 1600 steps, scaled
@@ -1764,6 +1762,7 @@ ADAM_BETAS = dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99)
 ADAM_CAUTIOUS_WD = 0.005
 ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
 ADAM_EVERY = 2  # Adam steps every 2nd step, on the two steps' summed gradients (records from 2025-09-30)
+SCALAR_LR_MUL = 5  # the records' scalars and stream scales take 5x the Adam lr of the stream's other lambdas (2026-02-12)
 MLP_DOWN_LR_MUL = 2.0  # Muon's lr factor of each MLP's down-projection, on top of its shape's (records from 2025-12-11)
 
 
@@ -1785,7 +1784,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
         dict(params=[model.skip_gate.weight], lr=args.skip_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.resid_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
-        dict(params=[model.post_lambdas, model.x0_lambdas, model.bigram_lambdas], lr=args.lambda_lr, wd_mul=0.0,
+        dict(params=[model.post_lambdas, model.x0_lambdas, model.bigram_lambdas], lr=args.scalar_lr / SCALAR_LR_MUL,
+             wd_mul=0.0,
              betas=ADAM_BETAS["stream"]),
     ]
     adam = Adam(groups, eps=args.adam_eps, weight_decay=ADAM_CAUTIOUS_WD, compiled=compiled)

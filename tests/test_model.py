@@ -871,8 +871,8 @@ def test_the_records_structure_starts_as_the_record_does():
     for name in stream:
         group = group_of[id(getattr(model, name))]
         assert tuple(group["betas"]) == (0.9, 0.95) and group["wd_mul"] == 0, name
-        assert group["lr"] == (args.scalar_lr if name == "resid_lambdas" else args.lambda_lr), name
-    assert args.scalar_lr == 5 * args.lambda_lr and tuple(group_of[id(model.scalars)]["betas"]) == (0.9, 0.99)
+        assert group["lr"] == (args.scalar_lr if name == "resid_lambdas" else args.scalar_lr / 5), name
+    assert train_gpt.SCALAR_LR_MUL == 5 and tuple(group_of[id(model.scalars)]["betas"]) == (0.9, 0.99)
     gates = [model.smear_gate, model.skip_gate] + [g for b in model.blocks if b.attn is not None
                                                    for g in (b.attn.attn_gate, b.attn.ve_gate) if g is not None]
     assert len(gates) == 17 and all(g.weight.size(1) == 12 and not g.weight.any() for g in gates)

@@ -67,10 +67,9 @@ def test_a_checkpoint_holding_a_setting_since_removed_is_refused_naming_it(train
 
 
 def test_a_checkpoint_from_before_the_2026_03_22_stream_is_refused(trained, tmp_path):
-    """A checkpoint of the 02-03 form (a packed_doc_len of one int, no lambda_lr: the stream's lambdas then lived in
+    """A checkpoint of the 02-03 form (a packed_doc_len of one int, the stream's lambdas then lived in
     the scalars) is refused in one line saying so, not with a TypeError of its int."""
     state = torch.load(trained[0], weights_only=True)
-    del state["hyperparameters"]["lambda_lr"]
     state["hyperparameters"]["packed_doc_len"] = 0
     path = tmp_path / "0203.pt"
     torch.save(run_support.seal(state, "cycle", "edited", None), path)

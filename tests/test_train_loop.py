@@ -689,8 +689,7 @@ def test_each_optimizer_group_gets_its_lr():
                       (id(model.scalars),): (args.scalar_lr, 0.0, (0.9, 0.99)),
                       (id(model.resid_lambdas),): (args.scalar_lr, 0.0, (0.9, 0.95)),
                       (id(model.post_lambdas), id(model.x0_lambdas), id(model.bigram_lambdas)):
-                          (args.lambda_lr, 0.0, (0.9, 0.95))}
-    assert args.lambda_lr != args.scalar_lr  # the two lrs show apart
+                          (args.scalar_lr / 5, 0.0, (0.9, 0.95))}
     assert all(g["weight_decay"] == 0.005 for g in adam.param_groups)
     assert {id(p) for g in muon.param_groups for p in g["params"]} == \
         {id(p) for p in model.blocks.parameters() if p.ndim >= 2} - set(map(id, gates))
@@ -808,7 +807,7 @@ def test_record_preset_is_the_published_record():
     assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1490, 40, 0.6)
     assert args.num_layers == 11 and args.adam_eps == 1e-10
     assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
-    assert args.lambda_lr == 0.008
+    assert args.scalar_lr / train_gpt.SCALAR_LR_MUL == 0.008  # the stream's other lambdas' lr, exactly
     assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr) == (0.008, 8e-5, 4e-4)
     assert args.paired_head_layers == "0,2,5,9"
     assert (args.logit_cap, args.logit_offset) == (23.0, 5.0)

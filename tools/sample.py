@@ -116,7 +116,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     saved = state["hyperparameters"]
     before = [record for record, earlier in (
         ("the 2026-01-07 record's layouts", isinstance(saved.get("seq_len"), int) or "paired_head_layers" not in saved),
-        ("the 2026-03-22 record's residual stream", "lambda_lr" not in saved)) if earlier]
+        ("the 2026-03-22 record's residual stream", isinstance(saved.get("packed_doc_len"), int))) if earlier]
     if removed or before:
         why = f"with settings since removed ({', '.join(removed)})" if removed else f"before {before[0]}"
         raise train_gpt.ConfigError(f"{path}: made by an earlier train_gpt.py, {why}; load it with the tools of the "
