@@ -243,15 +243,22 @@ def cautious_update(p: Tensor, update: Tensor, wd_factor: Tensor, lr_factor: Ten
     low_half.copy_(bits.to(torch.uint16))
 
 
+def neuron_axis(shape) -> int:
+    """The axis NorMuon averages over: each row's mean square, or each column's in a wide matrix (the records' from
+    2026-04-08, whose head-pair blocks are the first wide ones)."""
+    return -1 if shape[-2] >= shape[-1] else -2
+
+
 def normalize_neurons(update: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
     """NorMuon (Li et al., 2025) as the records from 2025-12-11 compute it, in place: divide each matrix of the stack by
-    the root of second_moment, an EMA of each row's mean square, then scale it back to its Frobenius norm; the
-    statistics in float32, both norms from the mean squares."""
-    mean_square = update.float().square().mean(dim=-1, keepdim=True)
-    norm_before = (mean_square.sum(dim=(-2, -1), keepdim=True) * update.size(-1)).sqrt_()
+    the root of second_moment, an EMA of each row's (neuron_axis) mean square, then scale it back to its Frobenius
+    norm; the statistics in float32, both norms from the mean squares."""
+    axis = neuron_axis(update.shape)
+    mean_square = update.float().square().mean(dim=axis, keepdim=True)
+    norm_before = (mean_square.sum(dim=(-2, -1), keepdim=True) * update.size(axis)).sqrt_()
     second_moment.lerp_(mean_square.to(second_moment.dtype), 1 - beta2)
     step_size = second_moment.clamp_min(NORMUON_EPS).rsqrt_()
-    norm_after = ((mean_square * update.size(-1)) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    norm_after = ((mean_square * update.size(axis)) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
     return update.mul_((step_size * (norm_before / norm_after.clamp_min_(NORMUON_EPS))).type_as(update))
 
 
@@ -284,7 +291,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("Muon's matrices must share a dtype: the ranks gather them in one")
         self.neuron_beta2 = neuron_beta2
         # The records' per-matrix lr factor: sqrt(max(1, rows/cols)) of each matrix of the stack (of q, k, v and o
-        # alone from 2026-01-18), times lr_mul. Each step's lr' and wd lr are made in double precision, then held in
+        # alone from 2026-01-18; 1 for q's and k's head pairs from 2026-04-08), times lr_mul. Each step's lr' and wd lr are made in double precision, then held in
         # float32 CPU scalars (rounded once, as the records' from 2026-01-18), inputs of the compiled update.
         self.lr_mul, self.add_apart = lr_mul or {}, set(add_apart)
         self.lr_factor = {p: max(1.0, p.size(-2) / p.size(-1)) ** 0.5 * self.lr_mul.get(p, 1.0) for p in params}
@@ -344,8 +351,10 @@ class Muon(torch.optim.Optimizer):
 
     def _normalize_neurons(self, p: Tensor, update: Tensor) -> Tensor:
         state = self.state[p]
-        if "neuron_second_moment" not in state:  # one per row of each matrix of the stack, float32 (as from 2026-01-04)
-            state["neuron_second_moment"] = torch.zeros(*p.shape[:-1], 1, dtype=torch.float32, device=p.device)
+        if "neuron_second_moment" not in state:  # per row (column) of each matrix of the stack, float32 (from 2026-01-04)
+            shape = list(p.shape)
+            shape[neuron_axis(shape)] = 1
+            state["neuron_second_moment"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         return self.normalize(update, state["neuron_second_moment"], self.neuron_beta2)
 
     def _receive(self, round_params: list, gathered: Tensor, handle, size: int):
@@ -638,8 +647,9 @@ def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Ten
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention, its q, k, v and output projection one matrix (4, D, D) in matrix_dtype (the records'
-    bf16 from 2026-01-04), zero until GPT draws q, k and v (draw_matrices). paired: the heads attend in pairs over a
+    """Multi-head attention, its weights in matrix_dtype (the records' bf16 from 2026-01-04), zero until GPT draws them
+    (draw_matrices): q's and k's rows a head pair to a Muon matrix (qk_w), v and the output projection a matrix each
+    (vo_w). paired: the heads attend in pairs over a
     sequence twice as long (the records from 2026-01-07): for each token, the first half of its heads' q, k, v rows at
     position 2t and the second half at 2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1)
     turns as one vector at 2t and 2t + 1."""
@@ -650,8 +660,11 @@ class CausalSelfAttention(nn.Module):
         self.num_heads, self.head_dim, self.key_offset, self.paired = num_heads, head_dim, key_offset, paired
         if num_heads * head_dim != model_dim:
             raise ValueError(f"num_heads x head_dim must equal model_dim, got {num_heads} x {head_dim} != {model_dim}")
-        # q, k, v and the output projection in one parameter (one Muon matrix each).
-        self.qkvo_w = nn.Parameter(torch.zeros(4, model_dim, model_dim, dtype=matrix_dtype))
+        # Muon orthogonalizes q and k a head pair at a time (the records from 2026-04-08), a head at a time if the heads
+        # cannot pair: (2 H / g, g head_dim, D), q's blocks first; v and the output projection whole: (2, D, D).
+        group = 2 if num_heads % 2 == 0 else 1
+        self.qk_w = nn.Parameter(torch.zeros(2 * num_heads // group, group * head_dim, model_dim, dtype=matrix_dtype))
+        self.vo_w = nn.Parameter(torch.zeros(2, model_dim, model_dim, dtype=matrix_dtype))
         # Gates, per head: the attention output times sigmoid(w . x[:12]), and (on the layers with one) the value
         # embedding times 2 sigmoid(w . x[:12]) (records from 2025-12-29), 2 sigmoid(w . (x[:6], ve[:6])) where the
         # heads attend alone (records from 2026-02-03).
@@ -665,7 +678,7 @@ class CausalSelfAttention(nn.Module):
         holding this layer's earlier keys and values; positions: x's for the rotary (Rotary.forward); restarts:
         evaluation's (GPT.trunk)."""
         B, T, H, D = x.size(0), x.size(1), self.num_heads, self.head_dim
-        qkv = F.linear(x, lambdas[0] * self.qkvo_w[:3].flatten(end_dim=1).type_as(x))
+        qkv = F.linear(x, lambdas[0] * torch.cat([self.qk_w.flatten(end_dim=1), self.vo_w[0]]).type_as(x))
         q, k, v = qkv.view(B, T, 3 * H, D).chunk(3, dim=-2)
         q, k = norm(q), norm(k)
         if self.paired:
@@ -686,7 +699,7 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(k, v)
         y = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H, D)
         y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
-        return F.linear(y.reshape(B, T, -1), lambdas[1] * self.qkvo_w[3].type_as(y))
+        return F.linear(y.reshape(B, T, -1), lambdas[1] * self.vo_w[1].type_as(y))
 
     def ve_gate_input(self, x: Tensor, ve: Tensor) -> Tensor:
         """What the value-embedding gate reads: x's first dims, or where the heads attend alone, the first half of
@@ -895,10 +908,11 @@ VE_INIT_STD = 0.01  # the value embeddings start normal with this std (records f
 
 
 def draw_matrices(blocks: nn.ModuleList, model_dim: int):
-    """The records' draws from 2026-02-03: every layer's q, k, v and output projection, then every up-projection and one
-    more (the record's padding MLP, discarded), all uniform with one bound, each in float32 and rounded once to its
-    parameter's dtype."""
-    attention = [block.attn.qkvo_w for block in blocks if block.attn is not None]
+    """The records' draws from 2026-04-08: every layer's q and k, then every layer's v and output projection, then every
+    up-projection and one more (the record's padding MLP, discarded), all uniform with one bound, each in float32 and
+    rounded once to its parameter's dtype."""
+    layers = [block.attn for block in blocks if block.attn is not None]
+    attention = [attn.qk_w for attn in layers] + [attn.vo_w for attn in layers]
     up = [block.mlp.c_fc for block in blocks]
     with torch.no_grad():
         for w in [*attention, *up]:
@@ -1415,7 +1429,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-03-22 VarlenMaxDocs); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (2026-04-08 PairedHeadMuon); presets override some of them
 
 
 @dataclass
@@ -1429,7 +1443,7 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: tuple = (896, 2048, 2048)  # training sequences pack documents from their first token, each clipped to this many tokens, one per equal part as seq_len (896 first: records from 2026-02-10); 0: consecutive tokens
     # schedule
-    num_iterations: int = 1490  # optimizer steps
+    num_iterations: int = 1480  # optimizer steps
     extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
     cooldown_frac: float = 0.6  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to LR_FLOOR
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
@@ -1582,7 +1596,7 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         raise ConfigError(f"head_dim={args.head_dim} must be a multiple of 4 (rotary on half of the dims, in pairs)")
     if args.num_heads * args.head_dim != args.model_dim:
         raise ConfigError(f"num_heads x head_dim = {args.num_heads} x {args.head_dim} must equal model_dim={args.model_dim} "
-                          f"(q, k, v and the output projection share one (4, model_dim, model_dim) parameter)")
+                          f"(q, k, v and the output projection are model_dim x model_dim)")
     if args.batch_slots % world_size:
         raise ConfigError(f"world size {world_size} must divide batch_slots={args.batch_slots}; "
                           f"use {', '.join(str(n) for n in range(1, args.batch_slots + 1) if args.batch_slots % n == 0)} processes")
@@ -2090,6 +2104,18 @@ class Trainer:
             torch.cuda.synchronize()
 
 
+def check_weights_fit(path, weights: dict, model: nn.Module):
+    """A one-line ConfigError naming path unless its weights have model's names and shapes."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    if found != expected:
+        differences = [f"{name}: {found.get(name, 'missing')} in the file, {expected.get(name, 'none')} expected"
+                       for name in sorted(expected.keys() | found.keys()) if found.get(name) != expected.get(name)]
+        raise ConfigError(f"{path}: the weights do not fit the model its hyperparameters describe ({len(differences)} "
+                          f"differ, first {differences[0]}); the file was altered or made by another version of "
+                          f"train_gpt.py")
+
+
 def restore_checkpoint(state: dict, trainer: Trainer) -> tuple[int, dict]:
     """Restores the model and optimizers in place (main restores the data stream before the log exists);
     returns the step and the training clock to continue from."""
@@ -2199,6 +2225,9 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = support.read_checkpoint(resume_from) if args.resume else None
     if checkpoint is not None:
         support.check_resumable(checkpoint, resume_from, args, RESUMABLE_CHANGES)
+        with torch.device("meta"):  # the shapes alone: a checkpoint of an earlier train_gpt.py is refused here
+            check_weights_fit(resume_from, checkpoint["model"], build_model(args, max(*args.seq_len, args.val_seq_len),
+                                                                            plan, world_size))
         stream.load_state_dict(checkpoint["data"])  # reads and checks the shard it resumes in
     log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
     log, folder = support.claim_run_files(rank, world_size, log_path, Path(args.checkpoint_dir) / run_id, run_id,

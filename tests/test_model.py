@@ -48,8 +48,8 @@ def randomize_(model, seed=1):
         for name, p in model.named_parameters():
             if name.endswith("mlp.c_proj") or name.endswith("gate.weight"):
                 p.uniform_(-0.2, 0.2)
-            elif name.endswith("qkvo_w"):
-                p[3].uniform_(-0.2, 0.2)
+            elif name.endswith("vo_w"):
+                p[1].uniform_(-0.2, 0.2)
         model.lm_head.weight.uniform_(-0.875, 0.875)
         model.scalars.add_(0.3 * torch.randn_like(model.scalars))
         if model.value_embeds is not None:  # last: the draws before keep their values
@@ -301,7 +301,7 @@ def test_a_zero_lm_head_gives_uniform_logits():
     for block in model.blocks:
         assert block.mlp.c_proj.abs().max() == 0 and block.mlp.c_fc.abs().min(dim=-1).values.min() > 0
         if block.attn is not None:
-            assert block.attn.qkvo_w.abs().min(dim=-1).values.min() > 0  # q, k, v and o are not zero
+            assert all(w.abs().min(dim=-1).values.min() > 0 for w in (block.attn.qk_w, block.attn.vo_w))  # none zero
     assert model.lm_head.weight.abs().min(dim=-1).values.min() > 0
     with torch.no_grad():
         model.lm_head.weight.zero_()
@@ -696,7 +696,7 @@ def test_gradients_become_ready_in_reversed_parameter_order():
     listed = [name for name, _ in reversed(list(model.named_parameters()))]
     bucket_order = [stage(name) for name in listed]
     assert bucket_order == sorted(bucket_order)
-    assert listed[listed.index("skip_gate.weight") - 1] == "blocks.0.attn.qkvo_w"  # listed after every block
+    assert listed[listed.index("skip_gate.weight") - 1] == "blocks.0.attn.qk_w"  # listed after every block
 
 
 def softcapped_loss_bounds(xn, w, targets):
@@ -828,22 +828,37 @@ def records_structure_gpt(num_layers=11, backout_layer=7, windows=WINDOWS, seed=
 
 
 def replay_records_draws(D: int, layers: int, attention_layers: int, vocab: int, value_tables: int = 5,
-                         seed: int = 0) -> dict:
+                         seed: int = 0, heads: int = 2, one_bank: bool = False) -> dict:
     """The 2026-02-03 record's construction (the 2026-03-22 record's draws the same: its stream lambdas draw nothing),
     its draws in its own form up to the lm_head's (the embedding's and the bigram table's after it are replaced or
     zeroed): the smear's and skip's nn.Linear(12, 1), the value embeddings 0.01 randn (value_tables x vocab, D), one
     uniform_ on the whole attention bank and one on the MLP bank's up-projections (one padding MLP), both with std
-    0.5 / sqrt(D), the lm_head drawn (D, vocab) with std 0.005."""
+    0.5 / sqrt(D), the lm_head drawn (D, vocab) with std 0.005. The attention bank as the 2026-04-08 record draws it,
+    its q and k head-pair blocks (attention_layers x 2 x heads / 2, 2 D / heads, D) first, then its v and o, or
+    (one_bank) as one bank of each layer's q, k, v and o (the records before)."""
     torch.manual_seed(seed)
     for _ in range(2):
         torch.nn.Linear(min(12, D), 1, bias=False)
     value_embeds = 0.01 * torch.randn(value_tables * vocab, D)
-    attn_bank, mlp_bank = torch.empty(attention_layers, 4 * D, D), torch.empty(layers + 1, 2, 4 * D, D)
     bound = 3**0.5 * (0.5 * D**-0.5)
-    attn_bank.uniform_(-bound, bound)
+    if one_bank:
+        qkvo = torch.empty(attention_layers, 4 * D, D).uniform_(-bound, bound).view(attention_layers, 4, D, D)
+        qk, vo = qkvo[:, :2].reshape(attention_layers, heads, 2 * D // heads, D), qkvo[:, 2:]
+    else:
+        qk = torch.empty(attention_layers * heads, 2 * D // heads, D).uniform_(-bound, bound)
+        vo = torch.empty(2 * attention_layers, D, D).uniform_(-bound, bound)
+    mlp_bank = torch.empty(layers + 1, 2, 4 * D, D)
     mlp_bank[:, 0].uniform_(-bound, bound)
-    return dict(value_embeds=value_embeds, qkvo=attn_bank.reshape(attention_layers, 4, D, D), c_fc=mlp_bank[:layers, 0],
+    return dict(value_embeds=value_embeds, qk=qk.view(attention_layers, heads, 2 * D // heads, D),
+                vo=vo.view(attention_layers, 2, D, D), c_fc=mlp_bank[:layers, 0],
                 lm_head=torch.empty(D, vocab).normal_(0, 0.005))
+
+
+def drawn_attention_equal(model, drawn) -> list[bool]:
+    """For each attention layer of model, in order: whether its q and k blocks, and its v and o, are drawn's."""
+    layers = [block.attn for block in model.blocks if block.attn is not None]
+    return [torch.equal(attn.qk_w, qk) and torch.equal(attn.vo_w, vo)
+            for attn, qk, vo in zip(layers, drawn["qk"], drawn["vo"], strict=True)]
 
 
 def test_the_records_structure_starts_as_the_record_does():
@@ -880,12 +895,12 @@ def test_the_records_structure_starts_as_the_record_does():
     padded = train_gpt.next_multiple(VOCAB, 128)
     for seed, same in ((0, True), (1, False)):
         drawn = replay_records_draws(32, 11, 10, padded, seed=seed)
-        attention = [b.attn.qkvo_w for b in model.blocks if b.attn is not None]
-        found = [torch.equal(model.value_embeds, drawn["value_embeds"])]
-        found += [torch.equal(w, r) for w, r in zip(attention, drawn["qkvo"])]
+        found = [torch.equal(model.value_embeds, drawn["value_embeds"]), *drawn_attention_equal(model, drawn)]
         found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
         found += [torch.equal(model.lm_head.weight, drawn["lm_head"].T), torch.equal(model.embed.weight, drawn["lm_head"].T)]
         assert found == [same] * 24, seed
+    # the draws of the records before 2026-04-08, a bank per layer: other attention weights, the same rest
+    assert drawn_attention_equal(model, replay_records_draws(32, 11, 10, padded, one_bank=True)) == [False] * 10
     assert {id(g.weight) for g in gates} <= set(group_of)
 
 
@@ -907,7 +922,8 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
     viewed (B, 2T, H/2, 1), the output viewed back (B, T, H, d)."""
     B, T, D = x.shape
     H, d = attn.num_heads, attn.head_dim
-    q, k, v = torch.nn.functional.linear(x, sa_lambdas[0] * attn.qkvo_w[:3].flatten(end_dim=1).type_as(x)).view(
+    qkvo_w = torch.cat([attn.qk_w.flatten(end_dim=1), attn.vo_w.flatten(end_dim=1)])  # its banks' rows, as it joins them
+    q, k, v = torch.nn.functional.linear(x, sa_lambdas[0] * qkvo_w[:3 * D].type_as(x)).view(
         B, T, 3 * H, d).chunk(3, dim=-2)
     q, k = train_gpt.norm(q), train_gpt.norm(k)
     if attn.paired:
@@ -926,7 +942,7 @@ def records_attention(attn, x, ve, sa_lambdas, mask, rotary, scale, key_offset):
     y = train_gpt.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
     y = y.contiguous().view(B, T, H, d)
     y = y * torch.sigmoid(torch.nn.functional.linear(x[..., :12], attn.attn_gate.weight)).view(B, T, H, 1)
-    return torch.nn.functional.linear(y.contiguous().view(B, T, D), sa_lambdas[1] * attn.qkvo_w[3].type_as(y))
+    return torch.nn.functional.linear(y.contiguous().view(B, T, D), sa_lambdas[1] * qkvo_w[3 * D:].type_as(y))
 
 
 def records_forward(model, tokens, window, skips, long_window=None, backout_layer=-1, key_offset=True,
@@ -1040,7 +1056,8 @@ def gated_attention_and_twin(width: int, heads: int):
     torch.manual_seed(0)
     gated = train_gpt.CausalSelfAttention(width, heads, width // heads, ve_gate=True, key_offset=False, paired=False)
     with torch.no_grad():
-        gated.qkvo_w.uniform_(-0.2, 0.2)
+        gated.qk_w.uniform_(-0.2, 0.2)
+        gated.vo_w.uniform_(-0.2, 0.2)
     twin = copy.deepcopy(gated)
     x, ve = torch.randn(1, T, width), torch.randn(1, T, width)
     mask = train_gpt.attention_mask(documents()[0], 300, "sdpa")
@@ -1074,8 +1091,8 @@ def test_attention_gate_scales_each_heads_output_by_sigmoid_before_the_projectio
     gated, twin, x, ve, rest = gated_attention_and_twin(128, 2)
     assert gated.attn_gate.weight.shape == (2, 12) and not gated.attn_gate.weight.any()
     with torch.no_grad():
-        w_o = gated.qkvo_w[3].clone()
-        twin.qkvo_w[3].copy_(torch.eye(128))
+        w_o = gated.vo_w[1].clone()
+        twin.vo_w[1].copy_(torch.eye(128))
         heads = (4 * twin(x, ve, *rest)).view(1, T, 2, 64)  # the attention output per head, unprojected and ungated
         assert torch.equal(gated(x, ve, *rest), torch.nn.functional.linear((heads * 0.5).view(1, T, 128), 0.5 * w_o))
         gated.attn_gate.weight.normal_()
@@ -1099,8 +1116,7 @@ def test_attention_gates_train_with_adam_and_draw_nothing():
     assert (gate_group["lr"], gate_group["wd_mul"]) == (args.gate_lr, 1.0)
     assert not {id(g) for g in gates} & {id(p) for group in muon.param_groups for p in group["params"]}
     drawn = replay_records_draws(128, 4, 3, 256, value_tables=2)
-    attention = [block.attn.qkvo_w for block in model.blocks if block.attn is not None]
-    assert all(torch.equal(w, r) for w, r in zip(attention, drawn["qkvo"], strict=True))
+    assert all(drawn_attention_equal(model, drawn))
     assert all(torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"], strict=True))
 
 
@@ -1121,18 +1137,17 @@ def test_value_embedding_gates_sit_on_value_embedding_layers_and_train_with_adam
 @pytest.mark.parametrize("depth", [4, 11])
 def test_the_draws_follow_the_records_construction(depth):
     """Other depths and skips, no backout, no paired heads: the smear's and the skip's gates (drawn, then zeroed), the
-    value embeddings, every q, k, v and output projection, then every up-projection and the padding MLP's, then the
-    lm_head, and the token embedding its copy, as the 2026-02-03 record's construction (replay_records_draws); the
+    value embeddings, every q and k, then every v and output projection, then every up-projection and the padding
+    MLP's, then the lm_head, and the token embedding its copy, as the 2026-04-08 record's construction (replay_records_draws); the
     bigram table zero. A replay without the value embeddings' draw gives other weights."""
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(256, depth, 2, 16, 32, T, windows=WINDOWS))
     assert not model.bigram_embed.weight.any()
     assert not model.smear_gate.weight.any() and not model.skip_gate.weight.any()
-    attention = [block.attn.qkvo_w for block in model.blocks if block.attn is not None]
+    attention = [block.attn for block in model.blocks if block.attn is not None]
     for tables, same in ((model.ve_tables, True), (0, False)):
         drawn = replay_records_draws(32, depth, len(attention), 256, value_tables=tables)
-        found = [torch.equal(model.value_embeds, drawn["value_embeds"])]
-        found += [torch.equal(w, r) for w, r in zip(attention, drawn["qkvo"])]
+        found = [torch.equal(model.value_embeds, drawn["value_embeds"]), *drawn_attention_equal(model, drawn)]
         found += [torch.equal(b.mlp.c_fc, r) for b, r in zip(model.blocks, drawn["c_fc"])]
         found += [torch.equal(model.lm_head.weight, drawn["lm_head"].T), torch.equal(model.embed.weight, drawn["lm_head"].T)]
         assert found == [same] * len(found), tables

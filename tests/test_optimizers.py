@@ -294,12 +294,12 @@ def record_muon(rank: int, world_size: int) -> train_gpt.Muon:
 
 
 def test_record_muon_work_is_balanced_over_8_ranks():
-    """Each of 8 ranks orthogonalizes its share of the record model's 32 matrices (10 q/k/v/o stacks and 22 MLP
-    matrices: 11 layers, 6 without attention; the gates are Adam's from 2025-12-31); per-rank
+    """Each of 8 ranks orthogonalizes its share of the record model's 42 parameters (10 stacks of q and k head pairs,
+    10 of v and o, and 22 MLP matrices: 11 layers, 6 without attention; the gates are Adam's from 2025-12-31); per-rank
     FLOPs within 1.25x of each other (dealing by shape group, 11 qkv matrices over 8 ranks left 2 ranks idle)."""
     muons = [record_muon(rank, 8) for rank in range(8)]
     params = muons[0].param_groups[0]["params"]
-    assert len(params) == 32
+    assert len(params) == 42
     flops = [sum(train_gpt.orthogonalization_flops(p.shape) for p in mine) for mine in muons[0].dealt]
     assert muons[0].flops_per_rank == flops  # what the log reports
     print("record Muon orthogonalization GFLOPs per rank (8 ranks):", [round(f / 1e9, 1) for f in flops])
@@ -583,42 +583,47 @@ def hand_neuron_normalization(update, second_moment, beta2):
     return outputs, moments
 
 
-@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (2, 2), (4, 2, 3)])
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (2, 2), (4, 3, 2), (4, 2, 3)])
 def test_normuon_normalizes_per_neuron_as_computed_by_hand(shape):
-    """Two steps on a tall, a wide and a square matrix and a q, k, v, o stack, per row of each matrix (the records
-    from 2025-12-11), in float32 against the same float32 updates by hand in float64. The 10-27 records' statistics
-    per column of a wide matrix, and a stack rescaled to its whole norm rather than each matrix's, fall outside."""
+    """Two steps on a tall, a wide and a square matrix, a q, k, v, o stack and a stack of wide head-pair blocks: per row
+    of each matrix, per column of a wide one (the records from 2026-04-08; per row from 2025-12-11 before), in float32
+    against the same float32 updates by hand in float64. The other axis, and a stack rescaled to its whole norm rather
+    than each matrix's, fall outside."""
     muon = train_gpt.Muon([torch.nn.Parameter(torch.zeros(shape))], lr=0.1, momentum=0.9, neuron_beta2=0.95)
     p = muon.param_groups[0]["params"][0]
     *stack, rows, cols = shape
+    wide = rows < cols
     fresh = lambda lines: [[0.0] * lines for _ in range(math.prod(stack))]
-    second_moment, columns_moment, pooled_moment = fresh(rows), fresh(cols), [[0.0] * (math.prod(stack) * rows)]
+    rows_moment, columns_moment, pooled_moment = fresh(rows), fresh(cols), [[0.0] * (math.prod(stack) * rows)]
+    # the hand computation is per row: a wide matrix's columns are its transpose's rows
+    averaged, other = (rows, cols) if wide else (cols, rows)
     for step, seed in enumerate((1, 2)):
         update = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * (1 + step)
-        expected, second_moment = hand_neuron_normalization(update, second_moment, 0.95)
-        columns, columns_moment = hand_neuron_normalization(update.mT, columns_moment, 0.95)
+        per_row, rows_moment = hand_neuron_normalization(update, rows_moment, 0.95)
+        per_column, columns_moment = hand_neuron_normalization(update.mT, columns_moment, 0.95)
         pooled, pooled_moment = hand_neuron_normalization(update.reshape(1, -1, cols), pooled_moment, 0.95)
+        per_row = torch.tensor(per_row, dtype=torch.float64).view(shape)
+        per_column = torch.tensor(per_column, dtype=torch.float64).view(*stack, cols, rows).mT
         got = muon._normalize_neurons(p, update.clone())
         # relative roundings, of positive terms only (first order, a square root halving its argument's): the mean
-        # square m = cols + 2 (squares, sums, the mean); the moment m + 4 a lerp (weight, difference, product, sum);
-        # the step size half the moment's and rsqrt's 2 EXP_ULPS; the norms half of m + rows + 1 (sums, a product by
-        # cols) and of m + rows + 2 + twice the step size's, a square root each; the quotient, product and final product
-        mean_square_roundings = cols + 2
+        # square m = averaged + 2 (squares, sums, the mean); the moment m + 4 a lerp (weight, difference, product,
+        # sum); the step size half the moment's and rsqrt's 2 EXP_ULPS; the norms half of m + other + 1 (sums, a
+        # product by averaged) and of m + other + 2 + twice the step size's, a square root each; quotient and products
+        mean_square_roundings = averaged + 2
         moment_roundings = mean_square_roundings + 4 * (step + 1)
-        output_roundings = moment_roundings + 4 * EXP_ULPS + mean_square_roundings + rows + 7
-        expected = torch.tensor(expected, dtype=torch.float64).view(shape)
+        output_roundings = moment_roundings + 4 * EXP_ULPS + mean_square_roundings + other + 7
+        expected, outside = (per_column, per_row) if wide else (per_row, per_column)
         bound = gamma(output_roundings) * expected.abs()
         assert_within(got, expected, bound, "normalized update", gamma(output_roundings))
-        expected_moment = torch.tensor(second_moment, dtype=torch.float64)
+        expected_moment = torch.tensor(columns_moment if wide else rows_moment, dtype=torch.float64)
         stored = muon.state[p]["neuron_second_moment"]
-        assert stored.dtype == p.dtype and stored.shape == (*shape[:-1], 1)
+        assert stored.dtype == p.dtype and stored.shape == ((*stack, 1, cols) if wide else (*stack, rows, 1))
         assert_within(stored.reshape(expected_moment.shape), expected_moment,
                       gamma(moment_roundings) * expected_moment, "second moment", gamma(moment_roundings))
-        if step and rows < cols:
+        if step and rows != cols:
             with pytest.raises(AssertionError, match="times the derived bound"):
-                columns = torch.tensor(columns, dtype=torch.float64).view(*stack, cols, rows).mT
-                assert_within(got, columns, bound, "per column", gamma(output_roundings))
-        if step and stack:
+                assert_within(got, outside, bound, "the other axis", gamma(output_roundings))
+        if step and stack and not wide:
             with pytest.raises(AssertionError, match="times the derived bound"):
                 assert_within(got, torch.tensor(pooled, dtype=torch.float64).view(shape), bound, "one norm",
                               gamma(output_roundings))
@@ -626,14 +631,15 @@ def test_normuon_normalizes_per_neuron_as_computed_by_hand(shape):
 
 def test_normuon_keeps_its_statistics_and_momentum_in_float32():
     """The records from 2026-01-04 keep Muon's momentum and NorMuon's second moment in float32, one moment per row of
-    each matrix, for bf16 matrices as for float32 ones; a bf16 matrix's owner keeps its value's low half (uint16)."""
+    each matrix (per column of a wide one, from 2026-04-08), for bf16 matrices as for float32 ones; a bf16 matrix's
+    owner keeps its value's low half (uint16)."""
     for dtype in (torch.bfloat16, torch.float32):
-        params = [torch.nn.Parameter(torch.zeros(6, 12, dtype=dtype)), torch.nn.Parameter(torch.zeros(4, 8, 8, dtype=dtype))]
+        params = [torch.nn.Parameter(torch.zeros(12, 6, dtype=dtype)), torch.nn.Parameter(torch.zeros(4, 4, 8, dtype=dtype))]
         muon = train_gpt.Muon(params, lr=0.1, momentum=0.9, neuron_beta2=0.95)
         for p in params:
             p.grad = torch.randn(p.shape).to(p.dtype)
         muon.step()
-        assert [tuple(muon.state[p]["neuron_second_moment"].shape) for p in params] == [(6, 1), (4, 8, 1)]
+        assert [tuple(muon.state[p]["neuron_second_moment"].shape) for p in params] == [(12, 1), (4, 1, 8)]
         assert {muon.state[p][key].dtype for p in params for key in ("neuron_second_moment", "momentum_buffer")} == {
             torch.float32}
         assert [muon.state[p].get("low_half", torch.empty(0)).dtype for p in params] == (
@@ -709,9 +715,10 @@ def test_muon_lr_mul_scales_one_matrix_s_step():
 def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_and_the_weight_decay():
     """build_optimizers hands Muon MLP_DOWN_LR_MUL for every c_proj (nothing else), adding apart for every MLP matrix
     (nothing else), and muon_cautious_wd, which the training step leaves alone (the decay follows the lr through the
-    lr alone). The lr factors are the records' (2026-01-18): 1 for each matrix of the (4, d, d) attention, 2 for the
-    (4d, d) up-projection, 2 x 2 for the down-projection; no gates (Adam's from 2025-12-31)."""
-    args = dataclasses.replace(RECORD, model_dim=64, num_heads=2, head_dim=32, seq_len=(128,), val_seq_len=128,
+    lr alone). The lr factors are the records' (2026-01-18): 1 for each head pair's q or k block (2 d / heads, d) and
+    for v and o (d, d) (from 2026-04-08), 2 for the (4d, d) up-projection, 2 x 2 for the down-projection; no gates
+    (Adam's from 2025-12-31). The blocks' NorMuon moments are per column (wide), the others' per row."""
+    args = dataclasses.replace(RECORD, model_dim=64, num_heads=4, head_dim=16, seq_len=(128,), val_seq_len=128,
                                batch_slots=1, dtype="float32", num_iterations=4, extension_steps=1, compile=False,
                                vocab_size=1024)
     trainer = train_gpt.Trainer(args, 0, 1, train_gpt.plan_device(args, torch.device("cpu")))
@@ -719,7 +726,7 @@ def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_a
     down = {block.mlp.c_proj for block in blocks}
     assert len(down) == args.num_layers and muon.lr_mul == dict.fromkeys(down, 2.0)
     assert muon.add_apart == {p for block in blocks for p in (block.mlp.c_fc, block.mlp.c_proj)}
-    expected = {**{block.attn.qkvo_w: 1.0 for block in blocks if block.attn is not None},
+    expected = {**{w: 1.0 for block in blocks if block.attn is not None for w in (block.attn.qk_w, block.attn.vo_w)},
                 **{block.mlp.c_fc: 2.0 for block in blocks}, **dict.fromkeys(down, 4.0)}
     assert set(muon.lr_factor) == set(expected)
     assert muon.lr_factor == expected
@@ -727,10 +734,14 @@ def test_the_record_s_muon_gets_the_down_projections_lr_mul_the_mlps_add_apart_a
     for step in range(2):
         trainer.train_step(step, [(tokens[:-1].int(), tokens[1:])])
         assert trainer.muon.param_groups[0]["weight_decay"] == args.muon_cautious_wd == 1.2
+    moments = {tuple(muon.state[p]["neuron_second_moment"].shape) for block in blocks if block.attn for p in
+               (block.attn.qk_w, block.attn.vo_w)}
+    assert {block.attn.qk_w.shape for block in blocks if block.attn} == {(4, 32, 64)} and moments == {(4, 1, 64), (2, 64, 1)}
 
 
 def records_normuon(v_chunk, second_momentum_buffer, beta2, red_dim=-1):
-    """The 2025-12-14 record's apply_normuon_variance_reduction, written out (its red_dim -1 for every matrix there)."""
+    """The 2025-12-14 record's apply_normuon_variance_reduction, written out (its red_dim -1 for every matrix there;
+    -2 for 2026-04-08's wide blocks)."""
     v_mean = v_chunk.float().square().mean(dim=red_dim, keepdim=True)
     red_dim_size = v_chunk.size(red_dim)
     v_norm = v_mean.sum(dim=(-2, -1), keepdim=True).mul_(red_dim_size).sqrt_()
@@ -767,21 +778,21 @@ def records_mantissa_update(p, mantissa, grad, wd_tensor, lr_tensor):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_muon_steps_replay_the_records_expressions(dtype):
     """Three steps of Muon as the record configures it (Polar Express in bf16, NorMuon 0.9, cautious wd 1.2, lr 0.023,
-    momentum 0.95) on an attention stack (4, 16, 16) and an MLP's c_fc and c_proj (64, 16) (lr_mul 2, adding apart),
-    against the 2026-03-22 record's step written out: the gradient in float32, momentum lerps in float32 with the
-    momentum a float32 tensor (1 - m made from it), its NorMuon
-    (per row, statistics in float32), its cautious update with its lr factors 1, 2 and 4 (max(1, rows / cols)^0.5 of each
-    matrix, times lr_mul), each factor times lr and wd lr made in double and rounded once to float32 (fill_); bf16
-    matrices updated on their float32 values
-    (mantissa), float32 ones in the 2025-12-31 form (the record's in float32). The same operations: equal to the bit.
-    Orthogonalization is train_gpt's (tested above); a c_proj factor of 2 would differ, and so would bf16 matrices
-    updated in bf16."""
+    momentum 0.95) on attention's q and k head-pair blocks (4, 8, 16), its v and o (2, 16, 16) and an MLP's c_fc and
+    c_proj (64, 16) (lr_mul 2, adding apart), against the 2026-04-08 record's step written out: the gradient in float32,
+    momentum lerps in float32 with the momentum a float32 tensor (1 - m made from it), its NorMuon (statistics in
+    float32, per row; per column of the wide blocks: its red_dim), its cautious update with its lr factors 1, 1, 2 and 4
+    (max(1, rows / cols)^0.5 of each matrix, times lr_mul), each factor times lr and wd lr made in double and rounded
+    once to float32 (fill_); bf16 matrices updated on their float32 values (mantissa), float32 ones in the 2025-12-31
+    form (the record's in float32). The same operations: equal to the bit. Orthogonalization is train_gpt's (tested
+    above); a c_proj factor of 2 would differ, and so would the blocks' NorMuon per row and bf16 matrices updated in
+    bf16."""
     g = torch.Generator().manual_seed(0)
-    shapes = [(4, 16, 16), (64, 16), (64, 16)]
+    shapes = [(4, 8, 16), (2, 16, 16), (64, 16), (64, 16)]
     starts = [(torch.randn(s, generator=g) * 0.1).to(dtype) for s in shapes]
     grads = [[torch.randn(s, generator=g).to(dtype) for s in shapes] for _ in range(3)]
     params = [torch.nn.Parameter(t.clone()) for t in starts]
-    attn, c_fc, c_proj = params
+    qk, vo, c_fc, c_proj = params
     lr, momentum, beta2, wd = 0.023, 0.95, 0.9, 1.2
     muon = train_gpt.Muon(params, lr=lr, momentum=momentum, neuron_beta2=beta2,
                           weight_decay=wd, lr_mul={c_proj: 2.0}, add_apart=[c_fc, c_proj])
@@ -790,11 +801,13 @@ def test_muon_steps_replay_the_records_expressions(dtype):
             p.grad = grad.clone()
         muon.step()
 
-    def replay(lr_mults, mantissa=True):
+    def replay(lr_mults, mantissa=True, red_dims=None):
         eff_lr, eff_wd, momentum_t = torch.tensor(0.0), torch.tensor(0.0), torch.tensor(momentum)
         by_hand = [t.clone() for t in starts]
         buffers = [torch.zeros_like(t, dtype=torch.float32) for t in starts]
-        moments = [torch.zeros(*t.shape[:-1], 1, dtype=torch.float32) for t in starts]
+        # the record's red_dim and second moment's shape
+        red_dims = red_dims or [-1 if s[-2] >= s[-1] else -2 for s in shapes]
+        moments = [torch.zeros(*s[:-1], 1) if d == -1 else torch.zeros(*s[:-2], 1, s[-1]) for s, d in zip(shapes, red_dims)]
         mantissas = [torch.zeros_like(t, dtype=torch.uint16) for t in starts]
         for step_grads in grads:
             for k, grad in enumerate(step_grads):
@@ -803,26 +816,27 @@ def test_muon_steps_replay_the_records_expressions(dtype):
                 grad = grad.float()
                 buffers[k].lerp_(grad, 1 - momentum_t)
                 updated = grad.lerp_(buffers[k], momentum_t)
-                v = train_gpt.orthogonalize(updated, torch.bfloat16, add_apart=k in (1, 2))
-                v = records_normuon(v, moments[k], beta2)
+                v = train_gpt.orthogonalize(updated, torch.bfloat16, add_apart=k in (2, 3))
+                v = records_normuon(v, moments[k], beta2, red_dims[k])
                 if dtype == torch.bfloat16 and mantissa:
                     records_mantissa_update(by_hand[k], mantissas[k], v, eff_wd, eff_lr)
                 else:
                     records_cautious_update(by_hand[k], v, eff_wd, eff_lr)
         return by_hand, moments, mantissas
 
-    # the record's shape_mult of each matrix, (16, 16), (64, 16), (64, 16), times lr_mul
-    by_hand, moments, mantissas = replay([1.0, 2.0, 2.0 * 2.0])
+    # the record's shape_mult of each matrix, (8, 16), (16, 16), (64, 16), (64, 16), times lr_mul
+    by_hand, moments, mantissas = replay([1.0, 1.0, 2.0, 2.0 * 2.0])
     for k, (p, expected, start) in enumerate(zip(params, by_hand, starts)):
         assert not torch.equal(p.detach(), start)
         assert torch.equal(p.detach(), expected), k
         assert torch.equal(muon.state[p]["neuron_second_moment"], moments[k]), k
         if dtype == torch.bfloat16:
             assert torch.equal(muon.state[p]["low_half"], mantissas[k]) and mantissas[k].any(), k
-    assert not torch.equal(c_proj.detach(), replay([1.0, 2.0, 2.0])[0][2])
-    assert not torch.equal(attn.detach(), replay([2.0, 2.0, 4.0])[0][0])  # the attention's factor before 2026-01-18
+    assert not torch.equal(c_proj.detach(), replay([1.0, 1.0, 2.0, 2.0])[0][3])
+    assert not torch.equal(vo.detach(), replay([2.0, 2.0, 2.0, 4.0])[0][1])  # the attention's factor before 2026-01-18
+    assert not torch.equal(qk.detach(), replay([1.0, 1.0, 2.0, 4.0], red_dims=[-1] * 4)[0][0])
     if dtype == torch.bfloat16:
-        assert not torch.equal(c_fc.detach(), replay([1.0, 2.0, 4.0], mantissa=False)[0][1])
+        assert not torch.equal(c_fc.detach(), replay([1.0, 1.0, 2.0, 4.0], mantissa=False)[0][2])
 
 
 def test_a_bf16_matrix_and_its_low_half_hold_its_float32_value_through_updates():

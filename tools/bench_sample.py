@@ -35,8 +35,8 @@ def preset_model(preset: str, device: torch.device, dtype: str | None) -> tuple[
         for name, p in model.named_parameters():
             if name.endswith("mlp.c_proj") or name == "lm_head.weight":
                 p.normal_(0, 0.5 * p.size(1) ** -0.5)
-            elif name.endswith("qkvo_w"):
-                p[3].normal_(0, 0.5 * p.size(-1) ** -0.5)
+            elif name.endswith("vo_w"):
+                p[1].normal_(0, 0.5 * p.size(-1) ** -0.5)
     window = train_gpt.replay_windows(model, args.num_iterations, args)
     trained_in = train_gpt.auto_dtype(device)[0] if args.dtype == "auto" else args.dtype
     model = sample.in_dtype(model, train_gpt.DTYPES[dtype or trained_in])

@@ -116,7 +116,9 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
     saved = state["hyperparameters"]
     before = [record for record, earlier in (
         ("the 2026-01-07 record's layouts", isinstance(saved.get("seq_len"), int) or "paired_head_layers" not in saved),
-        ("the 2026-03-22 record's residual stream", isinstance(saved.get("packed_doc_len"), int))) if earlier]
+        ("the 2026-03-22 record's residual stream", isinstance(saved.get("packed_doc_len"), int)),
+        ("the 2026-04-08 record's head-pair matrices", any(name.endswith(".qkvo_w") for name in state["model"])))
+        if earlier]
     if removed or before:
         why = f"with settings since removed ({', '.join(removed)})" if removed else f"before {before[0]}"
         raise train_gpt.ConfigError(f"{path}: made by an earlier train_gpt.py, {why}; load it with the tools of the "
@@ -128,14 +130,7 @@ def load_model(path, device: torch.device, min_seq_len: int = 0,
         model = train_gpt.build_model(args, max_seq_len)
     except (ValueError, RuntimeError) as e:  # ConfigError is a ValueError
         raise train_gpt.ConfigError(f"{path}: its hyperparameters describe no valid model ({e})") from None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = {name: tuple(t.shape) for name, t in state["model"].items()}
-    if found != expected:
-        differences = [f"{name}: {found.get(name, 'missing')} in the file, {expected.get(name, 'none')} expected"
-                       for name in sorted(expected.keys() | found.keys()) if found.get(name) != expected.get(name)]
-        raise train_gpt.ConfigError(f"{path}: the weights do not fit the model its hyperparameters describe "
-                                    f"({len(differences)} differ, first {differences[0]}); the file was altered "
-                                    f"or made by another version of train_gpt.py")
+    train_gpt.check_weights_fit(path, state["model"], model)
     model.load_state_dict(state["model"])
     run_dtype = train_gpt.DTYPES[dtype or args.dtype]
     model.rotary.to(run_dtype)  # the tables in the dtype the model runs in, as training held them
