@@ -355,19 +355,19 @@ def test_lr_multiplier(args):
 
 
 def test_lr_multiplier_record_values():
-    """Spot values for the record (1450 scheduled steps of 1490, cooldown 0.6, peaks 1, 1.52, 1.73): 1.0 through step
-    482, 1.52 from 483 (round(1450 / 3)) through the cooldown's start at 580 (int(0.4 x 1450)), then on the line to
-    0.15 at 1450; 1.73 on the same line's form from 967 (round(2 x 1450 / 3)); 0.15 from 1450 through the 40 extension
+    """Spot values for the record (1440 scheduled steps of 1480, cooldown 0.6, peaks 1, 1.52, 1.73): 1.0 through step
+    479, 1.52 from 480 (round(1440 / 3)) through the cooldown's start at 576 (int(0.4 x 1440)), then on the line to
+    0.15 at 1440; 1.73 on the same line's form from 960 (round(2 x 1440 / 3)); 0.15 from 1440 through the 40 extension
     steps."""
-    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1490, 40, 0.6)
+    assert (RECORD.num_iterations, RECORD.extension_steps, RECORD.cooldown_frac) == (1480, 40, 0.6)
     assert train_gpt.LR_STAGE_PEAKS == (1.0, 1.52, 1.73)
-    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 482, 483, 579, 580)} == {
-        0: 1.0, 482: 1.0, 483: 1.52, 579: 1.52, 580: 1.52}
-    for step, peak in ((581, 1.52), (966, 1.52), (967, 1.73), (1449, 1.73)):
-        t = Fraction(step - 580, 1450 - 580)
+    assert {step: train_gpt.lr_multiplier(step, RECORD) for step in (0, 479, 480, 575, 576)} == {
+        0: 1.0, 479: 1.0, 480: 1.52, 575: 1.52, 576: 1.52}
+    for step, peak in ((577, 1.52), (959, 1.52), (960, 1.73), (1439, 1.73)):
+        t = Fraction(step - 576, 1440 - 576)
         assert train_gpt.lr_multiplier(step, RECORD) == pytest.approx(float(peak * (1 - t) + Fraction(0.15) * t), abs=LR_ROUNDING)
-    assert train_gpt.lr_multiplier(967, RECORD) > train_gpt.lr_multiplier(966, RECORD)  # the stage's jump
-    for step in (1450, 1451, 1490):
+    assert train_gpt.lr_multiplier(960, RECORD) > train_gpt.lr_multiplier(959, RECORD)  # the stage's jump
+    for step in (1440, 1441, 1480):
         assert train_gpt.lr_multiplier(step, RECORD) == 0.15
 
 
@@ -396,10 +396,10 @@ def test_window_at(args):
 
 
 def test_window_at_record_boundaries():
-    """3, 7, 11 over steps 0-482, 483-966 and 967-1449 (from round(k x 1450 / 3)); 13 for the 40 extension steps and
-    the final validation at 1490."""
-    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1490)
-    values = {0: 3, 482: 3, 483: 7, 966: 7, 967: 11, 1449: 11, 1450: 13, 1489: 13, 1490: 13}
+    """3, 7, 11 over steps 0-479, 480-959 and 960-1439 (from round(k x 1440 / 3)); 13 for the 40 extension steps and
+    the final validation at 1480."""
+    assert (RECORD.window_stages, RECORD.final_window, RECORD.num_iterations) == ((3, 7, 11), 13, 1480)
+    values = {0: 3, 479: 3, 480: 7, 959: 7, 960: 11, 1439: 11, 1440: 13, 1479: 13, 1480: 13}
     assert {step: train_gpt.window_at(step, RECORD) for step in values} == values
     # 5 stages over 254 scheduled steps (from round(k x 254 / 5): 51, 102, 152, 203), then 6 extension steps and the
     # validation at the final window
@@ -450,14 +450,15 @@ class RecordsTrainingSchedule:
         return tuple(a + (b - a) * t for a, b in zip(stage[4], stage[5]))
 
 
-def test_the_2026_03_22_schedules_at_every_step():
-    """1450 scheduled steps and 40 more (1490), at every step against the record's TrainingSchedule written out
-    (RecordsTrainingSchedule): lr, multi-token weights, the long window, the batch and the documents' clip of the
-    stage in effect (the extension's after 1450), Muon's momentum (down over the last 50 steps), and the untie after
-    its split step 967 (the same float operations: equal). Other lengths too, and the shapes the warm-up compiles."""
+def test_the_records_schedules_at_every_step():
+    """1440 scheduled steps and 40 more (1480: 2026-04-08's), at every step against the record's TrainingSchedule
+    written out (RecordsTrainingSchedule): lr, multi-token weights, the long window, the batch and the documents' clip
+    of the stage in effect (the extension's after 1440), Muon's momentum (down over the last 50 steps), and the untie
+    after its split step 961 (the same float operations: equal). Other lengths too, and the shapes the warm-up
+    compiles."""
     args = RECORD
-    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1490, 40, 8)
-    record = RecordsTrainingSchedule(1450, 40)
+    assert (args.num_iterations, args.extension_steps, args.batch_slots) == (1480, 40, 8)
+    record = RecordsTrainingSchedule(1440, 40)
     for step in range(args.num_iterations + 1):
         assert train_gpt.lr_multiplier(step, args) == record.lr(step), step
         assert train_gpt.mtp_weights_at(step, args) == record.mtp(step), step
@@ -470,10 +471,10 @@ def test_the_2026_03_22_schedules_at_every_step():
         if step < 300:
             expected = 0.85 + (step / 300) * (0.95 - 0.85)
         else:
-            expected = 0.95 - ((step - 1440) / 50) * (0.95 - 0.85) if step > 1440 else 0.95
+            expected = 0.95 - ((step - 1430) / 50) * (0.95 - 0.85) if step > 1430 else 0.95
         assert train_gpt.muon_momentum(step, args) == expected, step
-    assert train_gpt.untie_step(args) == record.split_step == 967
-    assert [train_gpt.embed_tied_at(step, args) for step in (0, 966, 967, 968, 1490)] == [True] * 3 + [False] * 2
+    assert train_gpt.untie_step(args) == record.split_step == 961
+    assert [train_gpt.embed_tied_at(step, args) for step in (0, 960, 961, 962, 1480)] == [True] * 3 + [False] * 2
     for scheduled in (30, 99, 254, 1450, 1880):  # other lengths: the record's expressions, and Adam's (odd) steps
         other, record = dataclasses.replace(args, num_iterations=scheduled + 40), RecordsTrainingSchedule(scheduled, 40)
         assert train_gpt.untie_step(other) == record.split_step
@@ -483,8 +484,8 @@ def test_the_2026_03_22_schedules_at_every_step():
     assert train_gpt.untie_step(short) == 3 and all(train_gpt.embed_tied_at(step, short) for step in range(4))
     # the shapes the warm-up compiles: three batch stages with 3, 2 and 1 predictions, and the extension (the tie
     # changes no graph: the embedding is a copy, from 2026-01-18)
-    assert train_gpt.training_shapes(args) == {(16384, 3, 3): 0, (32768, 7, 2): 483, (49152, 11, 1): 967,
-                                               (49152, 13, 1): 1450}
+    assert train_gpt.training_shapes(args) == {(16384, 3, 3): 0, (32768, 7, 2): 480, (49152, 11, 1): 960,
+                                               (49152, 13, 1): 1440}
 
 
 @pytest.mark.parametrize("scheduled", [400, 31])
@@ -540,7 +541,7 @@ class RescaleSpy:
 def test_move_window_rescales_only_when_the_window_changes():
     """Stepping through a run: one rescale per change, at its first step; none for a final window equal to the last stage's."""
     cpu_changes = [(51, (2, 4)), (102, (4, 8)), (152, (8, 16)), (203, (16, 32))]  # round(254 k / 5)
-    for args, expected in ((RECORD, [(483, (3, 7)), (967, (7, 11)), (1450, (11, 13))]),
+    for args, expected in ((RECORD, [(480, (3, 7)), (960, (7, 11)), (1440, (11, 13))]),
                            (dataclasses.replace(CPU, yarn=True), cpu_changes)):
         spy, window, seen = RescaleSpy(), train_gpt.window_at(0, args), []
         for step in range(args.num_iterations + 1):

@@ -66,17 +66,43 @@ def test_a_checkpoint_holding_a_setting_since_removed_is_refused_naming_it(train
     assert sample.main([str(path), "--device=cpu"]) == 2 and capsys.readouterr().err.strip() == f"error: {message}"
 
 
+def refusal(state: dict, path) -> str:
+    """The one line load_model refuses state with, sealed at path."""
+    torch.save(run_support.seal(state, "cycle", "edited", None), path)
+    with pytest.raises(train_gpt.ConfigError) as error:
+        sample.load_model(path, torch.device("cpu"))
+    return str(error.value)
+
+
 def test_a_checkpoint_from_before_the_2026_03_22_stream_is_refused(trained, tmp_path):
     """A checkpoint of the 02-03 form (a packed_doc_len of one int, the stream's lambdas then lived in
     the scalars) is refused in one line saying so, not with a TypeError of its int."""
     state = torch.load(trained[0], weights_only=True)
     state["hyperparameters"]["packed_doc_len"] = 0
     path = tmp_path / "0203.pt"
-    torch.save(run_support.seal(state, "cycle", "edited", None), path)
+    assert refusal(state, path) == (f"{path}: made by an earlier train_gpt.py, before the 2026-03-22 record's residual "
+                                    f"stream; load it with the tools of the commit that made it")
+
+
+def test_a_checkpoint_from_before_the_2026_04_08_head_pairs_is_refused(trained, tmp_path):
+    """A checkpoint whose attention weights are one (4, D, D) qkvo_w a layer (before 2026-04-08) is refused by the
+    sampler in one line saying so, and by a run resuming it in one line naming the weight that does not fit, before
+    its log is written (the log folder stays empty)."""
+    state = torch.load(trained[0], weights_only=True)
+    for name in [name for name in state["model"] if name.endswith(".attn.qk_w")]:
+        qk, vo = state["model"].pop(name), state["model"].pop(name.replace("qk_w", "vo_w"))
+        state["model"][name.replace("qk_w", "qkvo_w")] = torch.cat([qk.reshape(2, *vo.shape[1:]), vo])
+    path = tmp_path / "0322.pt"
+    assert refusal(state, path) == (f"{path}: made by an earlier train_gpt.py, before the 2026-04-08 record's head-pair "
+                                    f"matrices; load it with the tools of the commit that made it")
+    argv = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in state["hyperparameters"].items()
+            if k not in ("resume", "log_dir", "checkpoint_dir")]
     with pytest.raises(train_gpt.ConfigError) as error:
-        sample.load_model(path, torch.device("cpu"))
-    assert str(error.value) == (f"{path}: made by an earlier train_gpt.py, before the 2026-03-22 record's residual "
-                                f"stream; load it with the tools of the commit that made it")
+        train_gpt.main([*argv, f"--resume={path}", f"--log_dir={tmp_path / 'logs'}",
+                        f"--checkpoint_dir={tmp_path / 'checkpoints'}"])
+    assert str(error.value).startswith(f"{path}: the weights do not fit the model its hyperparameters describe (9 differ, "
+                                       f"first blocks.0.attn.qk_w: missing in the file, (2, 64, 64) expected)")
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
 
 
 def test_a_final_checkpoint_samples_with_its_last_validations_long_window(trained, tmp_path):
