@@ -177,8 +177,7 @@ def trained(tmp_path_factory):
     torch.set_num_threads(1)
     result = train_gpt.main([
         "--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
-        "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", "--compile=false",
-        f"--num_iterations={CYCLE_STEPS}",
+        "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", f"--num_iterations={CYCLE_STEPS}",
         "--window_stages=2", "--final_window=3", "--window_unit=128", "--yarn=true", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
         f"--train_files={folder}/cycle_train_*.bin",
         f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
