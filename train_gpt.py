@@ -291,8 +291,9 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("Muon's matrices must share a dtype: the ranks gather them in one")
         self.neuron_beta2 = neuron_beta2
         # The records' per-matrix lr factor: sqrt(max(1, rows/cols)) of each matrix of the stack (of q, k, v and o
-        # alone from 2026-01-18; 1 for q's and k's head pairs from 2026-04-08), times lr_mul. Each step's lr' and wd lr are made in double precision, then held in
-        # float32 CPU scalars (rounded once, as the records' from 2026-01-18), inputs of the compiled update.
+        # alone from 2026-01-18; 1 for q's and k's head pairs from 2026-04-08), times lr_mul. Each step's lr' and wd
+        # lr are made in double precision, then held in float32 CPU scalars (rounded once, as the records' from
+        # 2026-01-18), inputs of the compiled update.
         self.lr_mul, self.add_apart = lr_mul or {}, set(add_apart)
         self.lr_factor = {p: max(1.0, p.size(-2) / p.size(-1)) ** 0.5 * self.lr_mul.get(p, 1.0) for p in params}
         self.step_lr, self.decay = torch.zeros(()), torch.zeros(())
@@ -1764,6 +1765,11 @@ def gpt_config(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None 
                      loss_scale=loss_scale(args, world_size))
 
 
+def training_seq_len(args: Hyperparameters) -> int:
+    """The longest sequence a run feeds its model (training's or validation's): its rotary tables' length."""
+    return max(*args.seq_len, args.val_seq_len)
+
+
 def build_model(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None = None, world_size: int = 1) -> GPT:
     """The GPT of gpt_config(), on CPU."""
     return GPT(gpt_config(args, max_seq_len, plan, world_size))
@@ -1799,8 +1805,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
         dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.resid_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
         dict(params=[model.post_lambdas, model.x0_lambdas, model.bigram_lambdas], lr=args.scalar_lr / SCALAR_LR_MUL,
-             wd_mul=0.0,
-             betas=ADAM_BETAS["stream"]),
+             wd_mul=0.0, betas=ADAM_BETAS["stream"]),
     ]
     adam = Adam(groups, eps=args.adam_eps, weight_decay=ADAM_CAUTIOUS_WD, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start,
@@ -1967,7 +1972,7 @@ class Trainer:
         if plan.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
-        self.model = build_model(args, max(*args.seq_len, args.val_seq_len), plan, world_size).to(plan.device)
+        self.model = build_model(args, training_seq_len(args), plan, world_size).to(plan.device)
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -2226,8 +2231,7 @@ def main(argv: list[str] | None = None) -> dict:
     if checkpoint is not None:
         support.check_resumable(checkpoint, resume_from, args, RESUMABLE_CHANGES)
         with torch.device("meta"):  # the shapes alone: a checkpoint of an earlier train_gpt.py is refused here
-            check_weights_fit(resume_from, checkpoint["model"], build_model(args, max(*args.seq_len, args.val_seq_len),
-                                                                            plan, world_size))
+            check_weights_fit(resume_from, checkpoint["model"], build_model(args, training_seq_len(args), plan, world_size))
         stream.load_state_dict(checkpoint["data"])  # reads and checks the shard it resumes in
     log_path, continues = support.log_path_for(Path(args.log_dir), run_id, resuming=checkpoint is not None)
     log, folder = support.claim_run_files(rank, world_size, log_path, Path(args.checkpoint_dir) / run_id, run_id,
