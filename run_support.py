@@ -379,7 +379,9 @@ def describe_run(trainer) -> list[str]:
              f"on layers {[i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset]}; "
              f"long-window layers "
              f"{[i for i, long in enumerate(model.long_window) if long]}; heads paired on layers "
-             f"{[i for i, paired in enumerate(model.paired) if paired]}; matrices "
+             f"{[i for i, paired in enumerate(model.paired) if paired]}; skip from layer "
+             f"{model.skip_source}; later layers attend over layer {model.backout_layer}'s "
+             f"output; XSA on layers {list(model.xsa_layers)}; matrices "
              f"{str(model.blocks[0].mlp.c_fc.dtype).removeprefix('torch.')}"]
     lines.append(f"muon: {len(trainer.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
                  f"{[round(f / 1e9, 2) for f in trainer.muon.flops_per_rank]}")

@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import itertools
 import math
 import os
 import sys
@@ -404,14 +405,14 @@ def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, st
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam with cautious weight decay, each group with its own lr, betas and wd_mul (decay lr^2 wd wd_mul: the lr
-    twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
+    """Adam with cautious weight decay, each group with its own lr, lr_mul (a factor on the scheduled lr), betas and
+    wd_mul (decay lr^2 wd wd_mul: the lr twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
     CUDA, as in the record. Parameters in idle (the embedding while it is tied) are not stepped."""
 
     def __init__(self, param_groups: list[dict], eps: float, weight_decay: float = 0.0, compiled: bool = False):
         if any("betas" not in group for group in param_groups):
             raise ValueError("each Adam group names its betas (the records' per parameter kind, from 2026-01-04)")
-        super().__init__(param_groups, dict(eps=eps, weight_decay=weight_decay, wd_mul=1.0))
+        super().__init__(param_groups, dict(eps=eps, weight_decay=weight_decay, wd_mul=1.0, lr_mul=1.0))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
         self.idle = set()
         # The step size and decay of each update, computed in double precision as the record's Python floats, then
@@ -421,7 +422,8 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
+            (beta1, beta2), eps = group["betas"], group["eps"]
+            lr = group["lr"] * group["lr_mul"]  # the scheduled lr, then the group's factor (the records' order)
             for p in group["params"]:
                 if p.grad is None or p in self.idle:
                     continue
@@ -610,9 +612,9 @@ def attention_scales(windows, first_scale: float, growth: float) -> dict[int, fl
     return dict(zip(distinct, scales))
 
 
-GATE_INPUTS = 12  # residual-stream dims the attention and value-embedding gates read
-SKIP_GATE_INIT = -1.5  # the records' sigmoid skip gates start at sigmoid(-1.5), about a fifth of a skip
-BACKOUT_LAMBDA_INIT = 0.5  # the records' backout starts by taking out half of the residual after its layer
+GATE_INPUTS = 12  # the smear's gate reads the embedding's first dims; the value-embedding gates half x's, half ve's
+SKIP_LAMBDA_INIT = -1.5  # the skip's weight starts at sigmoid(-1.5) times its gate (records from 2025-09-11)
+XSA_FLOOR = 1e-8  # XSA divides by |v|^2 no smaller than this (the 2026-04-29 record's clamp)
 
 
 def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -628,8 +630,8 @@ def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None
 
 
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the 2026-01-19 record's hash: these times the token and the one before it
-BIGRAM_LAMBDA_INIT = 0.05  # the records' bigram embedding joins the stream at this weight (from 2026-02-12; 0.1 before)
-BIGRAM_ROWS_PER_TOKEN = 5  # its table: 5 rows per (padded) vocabulary entry, 5 x 50304 in the records
+BIGRAM_ROWS_PER_TOKEN = 7.5  # its table: 15 x 50304 // 2 rows in the records from 2026-05-20 (5 per token before)
+BIGRAM_SIGN_ROWS = 8192  # rows of the fixed random +-1 table each bigram's row is multiplied by (2026-05-20's sign trick)
 
 
 def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Tensor:
@@ -639,21 +641,43 @@ def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Ten
     (evaluation's): each such position as a sequence's first."""
     last = rows - 1
     x = tokens.to(torch.int32)
-    first = torch.arange(x.numel(), device=x.device) == 0  # not first[0] = True: that makes a host tensor a step
-    first = first if restarts is None else first | restarts
+    first = sequence_firsts(x, restarts)
     second = torch.cat([first.new_zeros(1), first[:-1]])
     previous = torch.where(second, last, torch.cat([x[:1], x[:-1]]))
     hashed = torch.bitwise_xor(BIGRAM_MULTIPLIERS[0] * x, BIGRAM_MULTIPLIERS[1] * previous) % last
     return torch.where(first, last, hashed)
 
 
+def bigram_sign_ids(tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
+    """Each position's row of the sign table (the 2026-05-20 record's): (p XOR t) mod BIGRAM_SIGN_ROWS, p the token
+    before, row 0 at a sequence's first position (restarts as bigram_ids)."""
+    x = tokens.long()
+    ids = torch.bitwise_xor(torch.cat([x[:1], x[:-1]]), x) % BIGRAM_SIGN_ROWS
+    return torch.where(sequence_firsts(x, restarts), 0, ids)
+
+
+def sequence_firsts(tokens: Tensor, restarts: Tensor | None) -> Tensor:
+    """(T,) bool: position 0, and each position where restarts is true."""
+    first = torch.arange(tokens.numel(), device=tokens.device) == 0  # not first[0] = True: that makes a host tensor a step
+    return first if restarts is None else first | restarts
+
+
+@dataclass
+class LayerGates:
+    """What the gate networks give one layer's attention, per token (None: not on this layer): XSA's strength
+    (1, T, H), the output gate (1, T, H) and the composition's two head weightings (1, T, H) each."""
+    xsa: Tensor | None = None
+    output: Tensor | None = None
+    composition: tuple[Tensor, Tensor] | None = None
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention, its weights in matrix_dtype (the records' bf16 from 2026-01-04), zero until GPT draws them
     (draw_matrices): q's and k's rows a head pair to a Muon matrix (qk_w), v and the output projection a matrix each
-    (vo_w). paired: the heads attend in pairs over a
-    sequence twice as long (the records from 2026-01-07): for each token, the first half of its heads' q, k, v rows at
-    position 2t and the second half at 2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1)
-    turns as one vector at 2t and 2t + 1."""
+    (vo_w). paired: the heads attend in pairs over a sequence twice as long (the records from 2026-01-07): for each
+    token, the first half of its heads' q, k, v rows at position 2t and the second half at 2t + 1, so that head h
+    shares keys with head h + H/2; each pair (h, h + 1) turns as one vector at 2t and 2t + 1. ve_gate: this layer's
+    value embedding joins v through a gate of its own (all but the last layer's, whose dense connections gate it)."""
 
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, ve_gate: bool, key_offset: bool, paired: bool,
                  matrix_dtype: torch.dtype = torch.float32):
@@ -666,18 +690,22 @@ class CausalSelfAttention(nn.Module):
         group = 2 if num_heads % 2 == 0 else 1
         self.qk_w = nn.Parameter(torch.zeros(2 * num_heads // group, group * head_dim, model_dim, dtype=matrix_dtype))
         self.vo_w = nn.Parameter(torch.zeros(2, model_dim, model_dim, dtype=matrix_dtype))
-        # Gates, per head: the attention output times sigmoid(w . x[:12]), and (on the layers with one) the value
-        # embedding times 2 sigmoid(w . x[:12]) (records from 2025-12-29), 2 sigmoid(w . (x[:6], ve[:6])) where the
-        # heads attend alone (records from 2026-02-03).
-        gate_inputs = min(GATE_INPUTS, model_dim)
-        self.attn_gate = CastedLinear(gate_inputs, num_heads)
-        self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
+        # Per head, 2 sigmoid(w . (x[:6], ve[:6])) (records from 2026-02-03; on every such layer from 2026-05-27).
+        self.ve_gate = CastedLinear(min(GATE_INPUTS, model_dim), num_heads) if ve_gate else None
 
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
-                cache=None, positions: int | Tensor = 0, restarts: Tensor | None = None) -> Tensor:
-        """lambdas: (on q, k and v's weights, on the output projection's); cache: generation's hook (tools/sample.py),
-        holding this layer's earlier keys and values; positions: x's for the rotary (Rotary.forward); restarts:
-        evaluation's (GPT.trunk)."""
+    def value_input(self, x: Tensor, ve: Tensor) -> Tensor:
+        """The gated value embedding v takes, (1, T, D), from the attention's input x (normed) and its table's rows ve."""
+        half = self.ve_gate.in_features // 2
+        gate = 2 * torch.sigmoid(self.ve_gate(torch.cat([x[..., :half], ve[None, ..., :half]], dim=-1)))
+        return (gate.view(*x.shape[:2], self.num_heads, 1) * ve.view(*x.shape[:2], self.num_heads, -1)).flatten(2)
+
+    def forward(self, x: Tensor, extra_v: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
+                gates: LayerGates, starts: Tensor | None = None, cache=None, positions: int | Tensor = 0,
+                restarts: Tensor | None = None) -> Tensor:
+        """x: the normed input; extra_v (1, T, D): what joins v (value embeddings, dense connections); lambdas: (on q,
+        k and v's weights, on the output projection's); starts: each key's document start (the composition's);
+        cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values; positions: x's for
+        the rotary (Rotary.forward); restarts: evaluation's (GPT.trunk)."""
         B, T, H, D = x.size(0), x.size(1), self.num_heads, self.head_dim
         qkv = F.linear(x, lambdas[0] * torch.cat([self.qk_w.flatten(end_dim=1), self.vo_w[0]]).type_as(x))
         q, k, v = qkv.view(B, T, 3 * H, D).chunk(3, dim=-2)
@@ -693,20 +721,27 @@ class CausalSelfAttention(nn.Module):
             if cache is not None:
                 cache.last_key = k[:, -1:]
             k = offset_keys(k, before, restarts)
-        if ve is not None:
-            v = v + 2 * torch.sigmoid(self.ve_gate(self.ve_gate_input(x, ve))).view(*v.shape[:-1], 1) * ve.view_as(v)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if extra_v is not None:
+            v = v + extra_v.view_as(v)
+        own_v = v  # XSA's: this step's values, without a cache's earlier ones
         if cache is not None:
-            k, v = cache.append(k, v)
-        y = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H, D)
-        y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
+            k, v = (t.transpose(1, 2) for t in cache.append(k.transpose(1, 2), v.transpose(1, 2)))
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
+        if gates.composition is not None:
+            y = composed_attention_correction(y, q, k, v, *composition_weights(*gates.composition, H), starts, scale)
+        y = y.reshape(B, T, H, D)
+        if gates.xsa is not None:
+            y = y - self_value_share(y, own_v, gates.xsa)
+        if gates.output is not None:
+            y = y * gates.output.type_as(y).view(B, T, H, 1)
         return F.linear(y.reshape(B, T, -1), lambdas[1] * self.vo_w[1].type_as(y))
 
-    def ve_gate_input(self, x: Tensor, ve: Tensor) -> Tensor:
-        """What the value-embedding gate reads: x's first dims, or where the heads attend alone, the first half of
-        them beside as many of the value embedding's own."""
-        n = self.ve_gate.in_features
-        return x[..., :n] if self.paired else torch.cat([x[..., :n // 2], ve[..., :n // 2]], dim=-1)
+
+def self_value_share(y: Tensor, v: Tensor, strength: Tensor) -> Tensor:
+    """Gated XSA (arXiv 2603.09078, the records from 2026-04-29): tanh(strength) times each head's output y along its
+    own value v, (y . v / |v|^2) v; y, v (B, T, H, D), strength (B, T, H)."""
+    along = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(XSA_FLOOR)
+    return torch.tanh(strength).type_as(y).view(*y.shape[:3], 1) * along * v
 
 
 class MLP(nn.Module):
@@ -725,23 +760,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A layer's attention (None in the attention-free layer) and MLP; GPT.trunk wires them to the stream."""
+
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, ve_gate: bool,
                  key_offset: bool, paired: bool, matrix_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, ve_gate, key_offset, paired, matrix_dtype)
                      if has_attention else None)
         self.mlp = MLP(model_dim, matrix_dtype)
-
-    def forward(self, x: Tensor, attention_input: Tensor, ve: Tensor | None, resid: Tensor, post: Tensor,
-                injected: Tensor | None, attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache,
-                positions: int | Tensor, restarts: Tensor | None) -> Tensor:
-        """Each sub-layer scales the stream by resid and adds its output times post (per attention, MLP: the records
-        from 2026-02-12); injected (the embeddings' and the bigram's shares) joins after attention. attention_input:
-        what the attention reads, the stream itself or an earlier state of it (GPT.trunk)."""
-        if self.attn is not None:
-            y = self.attn(norm(attention_input), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
-            x = resid[0] * x + post[0] * y + injected
-        return resid[1] * x + post[1] * self.mlp(norm(x))
 
 
 def u_layers(num_layers: int) -> tuple[int, int]:
@@ -775,10 +801,9 @@ def skip_partner(num_layers: int, layer: int) -> int:
     return depth - 1 - (layer + cut) - cut
 
 
-def skip_receivers(num_layers: int) -> range:
-    """The decoder layers that can take a U-net skip: those whose partner is a layer of the model."""
-    depth, cut = u_layers(num_layers)
-    return range(depth // 2 - cut, depth - 2 * cut)
+def skip_source(num_layers: int) -> int:
+    """The layer whose output the attention-free layer adds (the records' one skip, 3 into 6 at 11 layers)."""
+    return skip_partner(num_layers, attention_free_layer(num_layers))
 
 
 def long_window_layers(num_layers: int) -> list[bool]:
@@ -906,6 +931,13 @@ class SoftcappedLoss(torch.autograd.Function):
 RESIDUAL_LAMBDA_INIT = 1.1**0.5  # each sub-layer scales the stream by this before adding its output, 1.1 a layer (from 2026-02-12)
 HEAD_INIT_STD = 0.005  # the lm_head starts normal with this std (records from 2025-12-19)
 VE_INIT_STD = 0.01  # the value embeddings start normal with this std (records from 2026-02-03; zero before)
+COEFFICIENT_NET_WIDTH = 64  # hidden width of the dense connections' and the gates' coefficient networks (2026-04-22, 05-27)
+MUDD_SCALE = 0.1  # the dense connections' coefficients: their network's output times this (2026-04-22)
+GATE_NETS_SCALE_INIT = 0.1  # the gate networks' output times a learned scale starting here (2026-05-27)
+# Effective initial coefficients (the networks start at their biases): the output gates', the bigram's share, the skip's
+# gate, the composition's first weighting, the last layer's value-embedding gate, the backout's share after the loop.
+OUTPUT_GATE_INIT, BIGRAM_INIT, SKIP_GATE_INIT, COMPOSITION_W1_INIT = 0.25, 0.05, 0.5, 1.0
+MUDD_VE_GATE_INIT, BACKOUT_INIT = 2.0, -0.5
 
 
 def draw_matrices(blocks: nn.ModuleList, model_dim: int):
@@ -921,6 +953,67 @@ def draw_matrices(blocks: nn.ModuleList, model_dim: int):
         torch.empty(up[0].shape).uniform_()
 
 
+class CoefficientNets(nn.Module):
+    """Two small networks that make per-token coefficients from a stream state x: (gelu(x w1^T) w2^T + b2) times scale
+    (the 2026-04-22 record's dense connections, the 2026-05-27 record's gate networks); biases start at init / scale,
+    so each coefficient starts at its init. w1 drawn as nn.Linear's (kaiming uniform), w2 zero; scale fixed, or
+    learned (a 0-d float32 parameter) if learned_scale."""
+
+    def __init__(self, model_dim: int, inits: tuple[list[float], list[float]], scale: float, learned_scale: bool):
+        super().__init__()
+        width = max(map(len, inits))
+        self.num_coefficients = tuple(map(len, inits))
+        self.w1 = nn.Parameter(torch.empty(2, COEFFICIENT_NET_WIDTH, model_dim))
+        for j in range(2):
+            nn.init.kaiming_uniform_(self.w1.data[j], a=math.sqrt(5))
+        self.w2 = nn.Parameter(torch.zeros(2, width, COEFFICIENT_NET_WIDTH))
+        # init / scale in double precision, then float32 (the record's Python floats)
+        self.b2 = nn.Parameter(torch.tensor([[v / scale for v in init] + [0.0] * (width - len(init)) for init in inits]))
+        self.scale = nn.Parameter(torch.tensor(scale)) if learned_scale else scale
+
+    def forward(self, x: Tensor, net: int) -> Tensor:
+        n = self.num_coefficients[net]
+        hidden = F.gelu(F.linear(x, self.w1[net]))
+        scale = self.scale.type_as(x) if isinstance(self.scale, Tensor) else self.scale
+        return (F.linear(hidden, self.w2[net, :n]) + self.b2[net, :n]) * scale
+
+
+def gate_layouts(num_layers: int, num_heads: int, xsa_layers: tuple) -> tuple[dict, dict]:
+    """Which coefficients the two gate networks make ({name: slice}), in the 2026-05-27 record's order. The first, from
+    x0, serves the layers up to the skip's source: XSA strengths, the source's output gate, each layer's x0 and bigram
+    shares. The second, from the source's output, the layers after it: XSA, the last layer's output gate, the x0 and
+    bigram shares up to the last layer, the skip's gate, the last layer's composition weights."""
+    source, no_attention = skip_source(num_layers), attention_free_layer(num_layers)
+    first, second = range(source + 1), [i for i in range(source + 1, num_layers - 1) if i != no_attention]
+    layouts = []
+    for layers, gated, tail in ((first, source, ()), (second, num_layers - 1,
+                                                       (("skip", 1), ("w1", num_heads), ("w2", num_heads)))):
+        sizes = [(("xsa", i), num_heads) for i in layers if i in xsa_layers] + [(("output", gated), num_heads)]
+        sizes += [((kind, i), 1) for i in layers for kind in ("x0", "bigram")] + list(tail)
+        ends = list(itertools.accumulate(size for _, size in sizes))
+        layouts.append({name: slice(end - size, end) for (name, size), end in zip(sizes, ends)})
+    return layouts[0], layouts[1]
+
+
+def gate_inits(layout: dict) -> list[float]:
+    """Each coefficient's initial value in a gate layout."""
+    inits = dict(output=OUTPUT_GATE_INIT, bigram=BIGRAM_INIT, skip=SKIP_GATE_INIT, w1=COMPOSITION_W1_INIT)
+    values = [0.0] * max(s.stop for s in layout.values())
+    for name, lanes in layout.items():
+        values[lanes] = [inits.get(name if isinstance(name, str) else name[0], 0.0)] * (lanes.stop - lanes.start)
+    return values
+
+
+# The dense connections at the last layer (2026-04-22 and HEAD): v's sources (x at layer 0, after the backout layer, the
+# last layer's input), the stream's recombination of them, the value embedding's 2-lane gate, the layer's own stream
+# factors (resid, post after attention; x0's, bigram's shares; resid, post after the MLP); after the loop, 5 more.
+MUDD_LAST_LAYER = ("v0", "v_backout", "v_x", "x0_state", "backout_state", "x_self", "ve0", "ve1", "resid_attn",
+                   "post_attn", "x0", "bigram", "resid_mlp", "post_mlp")
+MUDD_LAST_LAYER_INITS = dict(ve0=MUDD_VE_GATE_INIT, ve1=MUDD_VE_GATE_INIT, resid_attn=RESIDUAL_LAMBDA_INIT,
+                             post_attn=1.0, bigram=BIGRAM_INIT, resid_mlp=RESIDUAL_LAMBDA_INIT, post_mlp=1.0)
+MUDD_AFTER_LOOP = ("state0", "backout", "last_input", "value_embed", "skip_source")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """What a GPT is built from; gpt_config() makes it from the hyperparameters and the device plan, in one place."""
@@ -934,9 +1027,9 @@ class GPTConfig:
     window_unit: int = BLOCK_SIZE  # tokens per window unit
     attention_scale: float = 0.1  # the softmax scale at the first window
     attention_scale_growth: float = 0.2  # each new window multiplies the scale by 1 + this x ln(new / previous)
-    skip_layers: tuple | None = None  # decoder layers that add their mirror encoder layer's output; None: every one
-    backout_layer: int = -1  # the layer whose output is partly taken out before the lm_head, and later layers attend over; -1: none
+    backout_layer: int = 7  # the layers after it attend over the stream it leaves (records from 2026-03-06), a source of the last layer's dense connections (from 2026-04-22)
     paired_layers: tuple = ()  # layers whose heads attend in pairs over a sequence twice as long
+    xsa_layers: tuple = ()  # layers whose heads take out a gated share of their output along their own value (XSA)
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5)
     logit_offset: float = LOGIT_OFFSET
     dtype: torch.dtype = torch.float32  # every parameter but the scalars, and the rotary tables
@@ -945,48 +1038,49 @@ class GPTConfig:
     loss_scale: float = LOSS_SCALE  # training's factor on each micro-batch's loss (loss_scale()), in FP8's grad scale too
 
 
+def check_structure(c: GPTConfig):
+    """A ValueError unless the config's layers fit the record's structure (GPT's docstring)."""
+    L = c.num_layers
+    if L < 4 or c.num_heads % 2:
+        raise ValueError(f"num_layers must be >= 4 and num_heads even (the last layer's 2-lane value-embedding gate), "
+                         f"got {L} and {c.num_heads}")
+    if not skip_source(L) < c.backout_layer < L - 1:
+        raise ValueError(f"backout_layer must lie between the skip's source {skip_source(L)} and the last layer "
+                         f"{L - 1}, got {c.backout_layer}")
+    long, no_attention = long_window_layers(L), attention_free_layer(L)
+    if any(i == no_attention or long[i] for i in c.paired_layers):
+        raise ValueError(f"paired_layers={','.join(map(str, c.paired_layers))}: layers with attention and without the "
+                         f"key offset (not the long-window layers {[i for i, b in enumerate(long) if b]})")
+    if any(i in c.paired_layers or i in (no_attention, L - 1) or not 0 <= i < L for i in c.xsa_layers):
+        raise ValueError(f"xsa_layers={','.join(map(str, c.xsa_layers))}: layers with attention, heads alone, not "
+                         f"the last")
+
+
 class GPT(nn.Module):
-    """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
-    reversed(parameters()) is about the order in which gradients become ready, which the buckets follow (a bucket
-    waits for its last, whichever that is). The input embedding starts as a copy of the lm_head, and the training
-    keeps it one until the untie (Trainer.tie_embedding; the records from 2025-12-19). A hashed bigram embedding,
-    BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry, joins the stream (the records from 2026-01-19): before layer 0,
-    and with x0 after each later attention (GPT.trunk)."""
+    """The U-net GPT of the records (an odd depth: the U one layer deeper without its layer 0) as HEAD computes it:
+    one attention-free layer, which adds the skip's source's output (skip_source) through a gate; the layers past the
+    backout layer attend over the stream that layer left; per-token gate networks (CoefficientNets) make the XSA
+    strengths, output gates, skip gate, x0's and the bigram embedding's shares, and the composition's weights; dense
+    connections (MUDD) make the last layer's stream factors and v from earlier states, and recombine the stream after
+    the loop. Modules registered in forward order: reversed(parameters()) is about the order in which gradients
+    become ready, which the buckets follow. The input embedding starts as a copy of the lm_head, and the training keeps
+    it one until the untie (Trainer.tie_embedding)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         c = config
-        L, D = c.num_layers, c.model_dim
-        if L < 2:
-            raise ValueError(f"num_layers must be >= 2, got {L}")
-        if not -1 <= c.backout_layer < L:
-            raise ValueError(f"backout_layer must be a layer below num_layers={L}, or -1 for none; got {c.backout_layer}")
+        check_structure(c)
+        L, D, H = c.num_layers, c.model_dim, c.num_heads
         self.vocab_size, self.num_layers, self.max_seq_len = c.vocab_size, L, c.max_seq_len
-        self.attention_backend = c.attention_backend
+        self.attention_backend, self.backout_layer = c.attention_backend, c.backout_layer
         self.ve_layout = value_embedding_layout(L)
         self.long_window = long_window_layers(L)
+        self.paired = [i in c.paired_layers for i in range(L)]
+        self.xsa_layers, self.skip_source = c.xsa_layers, skip_source(L)
         no_attention = attention_free_layer(L)
         padded_vocab = next_multiple(c.vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
-        # Built in the record's order of random draws, registered below in forward order. The smear's and the skip's
-        # gates start at zero after a draw the record discards (its nn.Linear's, from 2026-01-18).
-        gate_inputs = min(GATE_INPUTS, D)  # the gates read the first dims of their input
-        smear_gate, skip_gate = CastedLinear(gate_inputs, 1), CastedLinear(gate_inputs, 1)
-        for gate in (smear_gate, skip_gate):
-            torch.empty(gate.weight.shape).uniform_()
-        # The value-embedding tables, one parameter (tables x padded_vocab, D), drawn in the run's dtype, then scaled
-        # in it (records from 2026-02-03).
-        self.ve_tables = sum(t is not None for t in self.ve_layout)
-        value_embeds = (nn.Parameter(VE_INIT_STD * torch.randn(self.ve_tables * padded_vocab, D, dtype=c.dtype))
-                        if self.ve_tables else None)
-        self.paired = [i in c.paired_layers for i in range(L)]
-        if any(self.paired[i] and (i == no_attention or self.long_window[i] or c.num_heads % 2) for i in range(L)):
-            raise ValueError(f"paired_layers={','.join(map(str, c.paired_layers))}: pairs of heads (an even number) in "
-                             f"layers with attention and without the key offset (not the long-window layers "
-                             f"{[i for i, long in enumerate(self.long_window) if long]})")
-        blocks = nn.ModuleList(Block(D, c.num_heads, c.head_dim, i != no_attention, self.ve_layout[i] is not None,
-                                     self.long_window[i], self.paired[i], c.dtype)
-                               for i in range(L))
-        draw_matrices(blocks, D)
+        # Built in HEAD's order of random draws, registered below in forward order; modules that start at zero after a
+        # draw the record discards (its nn.Linear's and nn.Embedding's) draw it here too.
         self.logit_cap, self.logit_offset = c.logit_cap, c.logit_offset
         x_s, w_s, grad_s = LM_HEAD_FP8_SCALES
         self.fp8_scales = (x_s, w_s, c.loss_scale * grad_s) if c.fp8 else None  # the lm_head's in training
@@ -996,46 +1090,42 @@ class GPT(nn.Module):
         embed = nn.Embedding(padded_vocab, D)
         with torch.no_grad():  # the record's copy of the lm_head, after the draw it discards
             embed.weight.copy_(lm_head.weight)
-        # A token's bigram (hashed with the one before) looks up a row added to the stream (records from
-        # 2026-01-19); drawn, then zeroed, as the record's. Its gradient is complete after the embedding's.
-        self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, D)
+        # The value-embedding tables, one parameter (tables x padded_vocab, D), drawn in the run's dtype.
+        self.ve_tables = sum(t is not None for t in self.ve_layout)
+        value_embeds = nn.Parameter(VE_INIT_STD * torch.randn(self.ve_tables * padded_vocab, D, dtype=c.dtype))
+        blocks = nn.ModuleList(Block(D, H, c.head_dim, i != no_attention, self.ve_layout[i] is not None and i < L - 1,
+                                     self.long_window[i], self.paired[i], c.dtype)
+                               for i in range(L))
+        draw_matrices(blocks, D)
+        smear_gate = CastedLinear(GATE_INPUTS, 1)
+        torch.empty(smear_gate.weight.shape).uniform_()
+        # A token's bigram (hashed with the one before) looks up a row (records from 2026-01-19), times a fixed random
+        # sign row (from 2026-05-20); the table drawn, then zeroed, as the record's.
+        bigram_embed = nn.Embedding(int(BIGRAM_ROWS_PER_TOKEN * padded_vocab), D)
         with torch.no_grad():
-            self.bigram_embed.weight.zero_()
-        self.embed, self.smear_gate = embed, smear_gate
-        self.register_parameter("value_embeds", value_embeds)
-        # Scalars, one Adam tensor: per layer attention's (q k v, output) lambdas, the smear's, the backout's, the skips'.
-        # The stream's lambdas (Block.forward) are tensors of their own: the records' Adam treats them apart.
-        self.backout_layer = c.backout_layer
-        self.num_skip_weights = len(skip_receivers(L))
-        self.smear_index = 2 * L
-        self.backout_index = self.smear_index + 1
-        self.scalars = nn.Parameter(torch.cat([
-            torch.tensor([0.5, 1.0]).repeat(L),
-            torch.zeros(1),
-            torch.full((int(c.backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
-            torch.full((self.num_skip_weights,), SKIP_GATE_INIT),
-        ]))
+            bigram_embed.weight.zero_()
+        self.register_buffer("bigram_signs", torch.randn(BIGRAM_SIGN_ROWS, D).sign().to(c.dtype))
+        mudd_inits = [MUDD_LAST_LAYER_INITS.get(name, 0.0) for name in MUDD_LAST_LAYER]
+        after_loop_inits = [BACKOUT_INIT if name == "backout" else 0.0 for name in MUDD_AFTER_LOOP]
+        mudd = CoefficientNets(D, (mudd_inits, after_loop_inits), MUDD_SCALE, learned_scale=False)
+        self.gate_layouts = gate_layouts(L, H, c.xsa_layers)
+        gates = CoefficientNets(D, tuple(map(gate_inits, self.gate_layouts)), GATE_NETS_SCALE_INIT, learned_scale=True)
+        self.embed, self.smear_gate, self.bigram_embed, self.value_embeds = embed, smear_gate, bigram_embed, value_embeds
+        # Scalars, one Adam tensor: per layer attention's (q k v, output) lambdas, the smear's, the skip's.
+        self.scalars = nn.Parameter(torch.cat([torch.tensor([0.5, 1.0]).repeat(L), torch.zeros(1),
+                                               torch.full((1,), SKIP_LAMBDA_INIT)]))
         self.resid_lambdas = nn.Parameter(torch.full((L, 2), RESIDUAL_LAMBDA_INIT))
         self.post_lambdas = nn.Parameter(torch.ones(L, 2))
-        self.x0_lambdas = nn.Parameter(torch.zeros(L))
-        self.bigram_lambdas = nn.Parameter(torch.full((L,), BIGRAM_LAMBDA_INIT))
-        self.skip_gate = skip_gate
-        self.blocks = blocks
-        # U-net skips: decoder layer i adds skip_partner(i)'s output, weighted by skip weight i - (first decoder layer).
-        decoder = skip_receivers(L)
-        self.skip_layers = tuple(decoder) if c.skip_layers is None else tuple(c.skip_layers)
-        if any(i not in decoder for i in self.skip_layers):
-            raise ValueError(f"skip_layers must be among the decoder layers {decoder.start}..{decoder.stop - 1} (the "
-                             f"others have no partner), got {','.join(map(str, self.skip_layers))}")
+        self.gates, self.blocks, self.mudd = gates, blocks, mudd
         self.window_unit = c.window_unit
         self.rotary = Rotary(c.head_dim, c.max_seq_len, c.window_unit, c.dtype)
         self.attention_scales = attention_scales(c.windows, c.attention_scale, c.attention_scale_growth)
         self.lm_head = lm_head
-        for table in [self.embed, self.bigram_embed]:
-            table.to(c.dtype)
-        for module in self.modules():  # the lm_head and the gates
-            if isinstance(module, CastedLinear):
+        for module in self.modules():
+            if isinstance(module, (nn.Embedding, CastedLinear)):
                 module.to(c.dtype)
+        for p in (mudd.w1, mudd.w2, mudd.b2, gates.w1, gates.w2, gates.b2):
+            p.data = p.data.to(c.dtype)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None,
                 mtp_weights: Tensor | None = None) -> Tensor:
@@ -1052,59 +1142,102 @@ class GPT(nn.Module):
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
-        """The final residual stream (1, T, D) of tokens (T,) at a long window of window units. Generation's hooks
-        (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block.
-        restarts (T,) bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0,
-        the smear passing nothing into it (with an EOT there, attention already stops)."""
-        L, S = self.num_layers, self.num_skip_weights
-        attn_lambdas = self.scalars[:2 * L].view(L, 2)
-        skip_weights = self.scalars[self.scalars.numel() - S:]
+        """The final residual stream (1, T, D) of tokens (T,) at a long window of window units, in HEAD's order of
+        operations (which sets the order in which shared tensors' gradients sum). Generation's hooks (tools/sample.py):
+        masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block. restarts (T,)
+        bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0, the smear
+        passing nothing into it (with an EOT there, attention already stops)."""
+        L, source = self.num_layers, self.skip_source
+        seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
         masks = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
                                          long_window=long_window, paired=any(self.paired))
-        scale = self.attention_scales[window]
-        ve = (self.value_embeds.view(self.ve_tables, -1, self.value_embeds.size(1))[:, tokens]
-              if self.ve_tables else None)
         positions = 0 if cache is None else len(cache)
         if restarts is not None:
             if cache is not None:
                 raise ValueError("restarts are for whole sequences: not with a cache")
             index = torch.arange(tokens.numel(), device=tokens.device)
             positions = index - torch.where(restarts, index, 0).cummax(0).values
-        # Generation's new tokens are hashed after the cached ones.
-        seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
-        bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
+        ve = self.value_embeds.view(self.ve_tables, -1, self.value_embeds.size(1))[:, tokens]
+        ve = [None if t is None else ve[t] for t in self.ve_layout]  # each table's rows selected once
+        bigram = self.bigram_embeddings(seen, restarts)[-tokens.numel():][None]
         x = self.smear(self.embed(tokens), self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None,
                        restarts)
         x = x0 = norm(x[None])
-        # The stream's lambdas in its dtype, as the records multiply them (from 2026-02-12).
-        resid, post, x0_lambdas, bigram_lambdas = (lambdas.type_as(x) for lambdas in (
-            self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas))
-        x = x + bigram * bigram_lambdas[0]  # the bigram embedding: once here, then after each later layer's attention
-        # What joins the stream after each attention, then the skips' x0 gate, all made before the layers, as the record
-        # makes them: x0's gradient then sums its terms in the record's order.
-        injected = {i: x0 * x0_lambdas[i] + bigram * bigram_lambdas[i] if i else x0 * x0_lambdas[i]
-                    for i in range(L) if self.blocks[i].attn is not None}
-        # sigmoid(w) (records from 2025-09-11) times 2 sigmoid(v . x0[:12]) (records from 2025-12-29)
-        x0_gate = torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features])) if self.skip_layers else None
-        skips, backout = {}, None
-        partners = {skip_partner(L, i): i for i in self.skip_layers}
-        first_decoder = skip_receivers(L).start
+        gates = self.unpack_gates(0, x0)
+        x = x0 + bigram * gates["bigram", 0]
+        states = {0: x}  # the stream before layer 0, after the skip's source and the backout layer: later layers read them
+        run = dict(masks=masks, scale=self.attention_scales[window], starts=document_starts(seen, restarts),
+                   cache=cache, positions=positions, restarts=restarts)
         for i in range(L):
-            if i in self.skip_layers:
-                x = x + torch.sigmoid(skip_weights[i - first_decoder]) * 2 * x0_gate * skips.pop(i)
-            layer_ve = ve[self.ve_layout[i]][None] if self.ve_layout[i] is not None else None
-            # Past the backout layer, attention reads the stream as that layer left it (records from 2026-03-06).
-            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i], injected.get(i),
-                               attn_lambdas[i], masks[self.paired[i], self.long_window[i]], self.rotary, scale,
-                               None if cache is None else cache.layers[i], positions, restarts)
-            if i in partners:
-                skips[partners[i]] = x
-            if i == self.backout_layer:
-                backout = x
-        if backout is not None:
-            # The record's backout: what the layers up to it wrote, needed as context downstream, taken out of the prediction.
-            x = x - self.scalars[self.backout_index] * backout
-        return x
+            if i == source + 1:
+                gates |= self.unpack_gates(1, x)
+            if self.blocks[i].attn is None:
+                x = x + torch.sigmoid(self.scalars[2 * L + 1]) * gates["skip"] * states[source]
+            elif i < L - 1:
+                x = self.attention_layer(i, x, x0, bigram, ve[i], gates, states, run)
+            else:
+                x, mu = self.last_attention_layer(x, bigram, ve[i], gates, states, run)
+            normed = norm(x)
+            factors = (mu["resid_mlp"], mu["post_mlp"]) if i == L - 1 else self.stream_factors(i, x)[2:]
+            x = factors[0] * x + factors[1] * self.blocks[i].mlp(normed)
+            if i in (source, self.backout_layer):
+                states[i] = x
+        mu = dict(zip(MUDD_AFTER_LOOP, self.mudd(x, 1).split(1, dim=-1)))
+        last_ve = ve[self.ve_layout.index(0)][None].to(x.dtype)
+        return (x + mu["state0"] * states[0] + mu["backout"] * states[self.backout_layer]
+                + mu["last_input"] * states["last_input"] + mu["value_embed"] * last_ve + mu["skip_source"] * states[source])
+
+    def attention_layer(self, i: int, x: Tensor, x0: Tensor, bigram: Tensor, ve: Tensor | None, gates: dict,
+                        states: dict, run: dict) -> Tensor:
+        """Layer i's attention sub-layer below the last: x = r x + p attn + x0 g_x0 (+ bigram g_bigram past layer 0);
+        past the backout layer it attends over the stream that layer left."""
+        attn = self.blocks[i].attn
+        attention_input = norm(states.get(self.backout_layer, x))
+        extra_v = attn.value_input(attention_input, ve) if ve is not None else None
+        y = self.attend_layer(i, attention_input, extra_v, LayerGates(gates.get(("xsa", i)), gates.get(("output", i))),
+                              run)
+        resid, post = self.stream_factors(i, x)[:2]
+        x = resid * x + post * y + x0 * gates["x0", i]
+        return x + bigram * gates["bigram", i] if i else x
+
+    def last_attention_layer(self, x: Tensor, bigram: Tensor, ve: Tensor, gates: dict, states: dict,
+                             run: dict) -> tuple[Tensor, dict]:
+        """The last layer's attention sub-layer with its dense connections (MUDD): v takes a mix of the stream's
+        states, the stream is recombined from them, and the layer's stream factors are per token; returns x and them."""
+        L, H = self.num_layers, self.blocks[-1].attn.num_heads
+        attention_input = norm(states.get(self.backout_layer, x))
+        states["last_input"] = x
+        mu = dict(zip(MUDD_LAST_LAYER, self.mudd(x, 0).split(1, dim=-1)))
+        backout = states[self.backout_layer]
+        mixed_v = (mu["v0"] * states[0] + mu["v_backout"] * backout + mu["v_x"] * x).view(*x.shape[:2], H, -1)
+        x = (1 + mu["x_self"]) * x + mu["x0_state"] * states[0] + mu["backout_state"] * backout
+        ve_gate = torch.cat([mu["ve0"], mu["ve1"]], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)
+        extra_v = (ve_gate * ve.view(*x.shape[:2], H, -1) + mixed_v).flatten(2)
+        y = self.attend_layer(L - 1, attention_input, extra_v,
+                              LayerGates(output=gates["output", L - 1], composition=(gates["w1"], gates["w2"])), run)
+        x = mu["resid_attn"] * x + mu["post_attn"] * y + mu["x0"] * states[0]
+        return x + mu["bigram"] * bigram, mu
+
+    def attend_layer(self, i: int, attention_input: Tensor, extra_v: Tensor | None, gates: LayerGates, run: dict):
+        return self.blocks[i].attn(attention_input, extra_v, self.scalars[2 * i:2 * i + 2],
+                                   run["masks"][self.paired[i], self.long_window[i]], self.rotary, run["scale"], gates,
+                                   run["starts"], None if run["cache"] is None else run["cache"].layers[i],
+                                   run["positions"], run["restarts"])
+
+    def stream_factors(self, i: int, x: Tensor) -> tuple[Tensor, ...]:
+        """Layer i's (resid, post) after attention and after the MLP, in the stream's dtype (records from 2026-02-12)."""
+        return (*self.resid_lambdas[i, :1].type_as(x), *self.post_lambdas[i, :1].type_as(x),
+                *self.resid_lambdas[i, 1:].type_as(x), *self.post_lambdas[i, 1:].type_as(x))
+
+    def unpack_gates(self, net: int, x: Tensor) -> dict:
+        """Gate network net's coefficients from x, by name (gate_layouts)."""
+        coefficients = self.gates(x, net)
+        return {name: coefficients[..., lanes] for name, lanes in self.gate_layouts[net].items()}
+
+    def bigram_embeddings(self, tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
+        """(T, D): each position's bigram row times its sign row (the records from 2026-05-20)."""
+        rows = self.bigram_embed(bigram_ids(tokens, self.bigram_embed.num_embeddings, restarts))
+        return rows * self.bigram_signs[bigram_sign_ids(tokens, restarts)]
 
     def smear(self, e: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
         """Token embeddings e (T, D) with a gated share of each one's predecessor added (the 2025-09-18 record's
@@ -1112,7 +1245,7 @@ class GPT(nn.Module):
         generation passes the embedding before it, and so does each token where restarts (T,) is true."""
         if before is not None:
             e = torch.cat([before, e])
-        gate = self.scalars[self.smear_index] * torch.sigmoid(self.smear_gate(e[1:, :self.smear_gate.in_features]))
+        gate = self.scalars[2 * self.num_layers] * torch.sigmoid(self.smear_gate(e[1:, :self.smear_gate.in_features]))
         if restarts is not None:
             gate = gate.masked_fill(restarts[1:, None], 0)
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
@@ -1430,7 +1563,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-04-08 PairedHeadMuon); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (upstream HEAD f411b3d3, 2026-08-01); presets override some of them
 
 
 @dataclass
@@ -1444,8 +1577,8 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: tuple = (896, 2048, 2048)  # training sequences pack documents from their first token, each clipped to this many tokens, one per equal part as seq_len (896 first: records from 2026-02-10); 0: consecutive tokens
     # schedule
-    num_iterations: int = 1480  # optimizer steps
-    extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
+    num_iterations: int = 1285  # optimizer steps
+    extension_steps: int = 15  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
     cooldown_frac: float = 0.6  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to LR_FLOOR
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
@@ -1460,9 +1593,9 @@ class Hyperparameters:
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
-    skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); the layers after it attend over that stream (from 2026-03-06); -1: none
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
+    xsa_layers: str = "1,3,4,7"  # layers (comma-separated) whose heads take out a gated share of their output along their own value (XSA, records from 2026-04-29); none
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
     attention_scale: float = 0.1  # softmax scale in the first window stage
@@ -1471,10 +1604,9 @@ class Hyperparameters:
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.008  # Adam lr for the token embedding, once untied
     value_embed_lr: float = 0.6  # Adam lr for the value embeddings and the bigram embedding (the records give both the same)
-    scalar_lr: float = 0.04  # Adam lr for the skip weights, the smear's, backout's and attention's lambdas and the stream's scales (/ SCALAR_LR_MUL: its other lambdas)
-    gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
+    scalar_lr: float = 0.04  # Adam lr for the smear's, the skip's and attention's lambdas and the stream's resid scales (/ SCALAR_LR_MUL: its post scales)
+    gate_lr: float = 0.008  # Adam lr for the value-embedding gates; x GATE_NETS_LR_MUL the gate networks', x MUDD_LR_MUL the dense connections'
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
-    skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
     adam_eps: float = 1e-10  # Adam epsilon
     muon_lr: float = 0.023  # Muon lr for hidden matrices
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
@@ -1526,9 +1658,9 @@ PRESETS = {
         num_heads=2,  # two heads, so that layer 1's attend in pairs as half the record's short-window layers do
         head_dim=64,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
-        skip_layers="2",  # the record's one skip, into the attention-free layer, at 4 layers
         backout_layer=2,
         paired_head_layers="1",
+        xsa_layers="0",
         logit_cap=30.0,  # the record's 23 and 5 gave higher losses on every seed here: a width-128 model needs the range
         logit_offset=0.0,
         head_lr=0.11 / 128**0.5,  # 0.11 when the head divided z by sqrt(width): the same steps on the logits
@@ -1567,18 +1699,10 @@ def layer_indices(args: Hyperparameters, name: str, allowed: range, choices: str
     return layers
 
 
-def skip_layers(args: Hyperparameters) -> tuple[int, ...] | None:
-    """args.skip_layers as GPT takes it (None: all); a ConfigError unless all, none, or decoder layers with a partner."""
-    if args.skip_layers in ("all", "none"):
-        return None if args.skip_layers == "all" else ()
-    return layer_indices(args, "skip_layers", skip_receivers(args.num_layers), "all, none, or decoder layers with a partner")
-
-
-def paired_head_layers(args: Hyperparameters) -> tuple[int, ...]:
-    """args.paired_head_layers as GPT takes it; a ConfigError unless none or layers of the model."""
-    if args.paired_head_layers == "none":
-        return ()
-    return layer_indices(args, "paired_head_layers", range(args.num_layers), "none, or layers")
+def listed_layers(args: Hyperparameters, name: str) -> tuple[int, ...]:
+    """A setting of comma-separated layers (paired_head_layers, xsa_layers) as GPT takes it; a ConfigError unless
+    none or layers of the model."""
+    return () if getattr(args, name) == "none" else layer_indices(args, name, range(args.num_layers), "none, or layers")
 
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
@@ -1591,8 +1715,6 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         if not values or any(value <= 0 or value % BLOCK_SIZE for value in values):
             raise ConfigError(f"{name}={','.join(map(str, values))} must be positive multiples of {BLOCK_SIZE} (the "
                               f"attention block size)")
-    if args.num_layers < 2:
-        raise ConfigError(f"num_layers={args.num_layers} must be at least 2 (U-net halves)")
     if args.head_dim % 4:
         raise ConfigError(f"head_dim={args.head_dim} must be a multiple of 4 (rotary on half of the dims, in pairs)")
     if args.num_heads * args.head_dim != args.model_dim:
@@ -1626,16 +1748,10 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     for name in ("extension_steps", "muon_momentum_cooldown_steps"):
         if not 0 <= getattr(args, name) < args.num_iterations:
             raise ConfigError(f"{name}={getattr(args, name)} must be within [0, num_iterations={args.num_iterations})")
-    if not -1 <= args.backout_layer < args.num_layers:
-        raise ConfigError(f"backout_layer={args.backout_layer} must be a layer below num_layers={args.num_layers}, or -1 "
-                          f"for none")
-    skip_layers(args)
-    paired = paired_head_layers(args)
-    unpairable = [i for i in paired if i == attention_free_layer(args.num_layers) or long_window_layers(args.num_layers)[i]]
-    if paired and args.num_heads % 2 or unpairable:
-        raise ConfigError(f"paired_head_layers={args.paired_head_layers}: pairs of heads need an even num_heads (got "
-                          f"{args.num_heads}) and layers with attention and no key offset, not the long-window ones "
-                          f"(not {unpairable})")
+    try:
+        check_structure(gpt_config(args, training_seq_len(args)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
@@ -1758,8 +1874,8 @@ def gpt_config(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None 
     return GPTConfig(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
                      windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                      attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth,
-                     skip_layers=skip_layers(args), backout_layer=args.backout_layer,
-                     paired_layers=paired_head_layers(args), logit_cap=args.logit_cap, logit_offset=args.logit_offset,
+                     backout_layer=args.backout_layer, paired_layers=listed_layers(args, "paired_head_layers"),
+                     xsa_layers=listed_layers(args, "xsa_layers"), logit_cap=args.logit_cap, logit_offset=args.logit_offset,
                      dtype=DTYPES[plan.dtype] if plan else torch.float32,
                      attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8,
                      loss_scale=loss_scale(args, world_size))
@@ -1783,6 +1899,8 @@ ADAM_CAUTIOUS_WD = 0.005
 ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
 ADAM_EVERY = 2  # Adam steps every 2nd step, on the two steps' summed gradients (records from 2025-09-30)
 SCALAR_LR_MUL = 5  # the records' scalars and stream scales take 5x the Adam lr of the stream's other lambdas (2026-02-12)
+MUDD_LR_MUL = 0.25  # the dense connections' Adam lr, a factor on gate_lr's after the schedule's (records from 2026-04-22)
+GATE_NETS_LR_MUL = 0.1  # the gate networks' likewise (records from 2026-05-27)
 MLP_DOWN_LR_MUL = 2.0  # Muon's lr factor of each MLP's down-projection, on top of its shape's (records from 2025-12-11)
 
 
@@ -1790,9 +1908,12 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                      plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
     """Adam for the lm_head, the embeddings, the gates and the scalars (the records' from 2025-12-31); Muon for the
     hidden matrices. Each group keeps its initial_lr for the schedule."""
-    gates = [gate.weight for block in model.blocks if block.attn is not None
-             for gate in (block.attn.attn_gate, block.attn.ve_gate) if gate is not None]
+    gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
+    nets = lambda net, lr_mul: [  # a coefficient network's groups: its biases and learned scale without decay
+        dict(params=[net.w1, net.w2], lr=args.gate_lr, lr_mul=lr_mul, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
+        dict(params=[net.b2, *[p for p in [net.scale] if isinstance(p, nn.Parameter)]], lr=args.gate_lr, lr_mul=lr_mul,
+             wd_mul=0.0, betas=ADAM_BETAS["gates"])]
     compiled = plan is not None and plan.compile_optimizers
     groups = [
         dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=ADAM_BETAS["head"]),
@@ -1801,11 +1922,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
              wd_mul=ADAM_WD_MULS["value_embeds"], betas=ADAM_BETAS["value_embeds"]),
         dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
         dict(params=[model.smear_gate.weight], lr=args.smear_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
-        dict(params=[model.skip_gate.weight], lr=args.skip_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.resid_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
-        dict(params=[model.post_lambdas, model.x0_lambdas, model.bigram_lambdas], lr=args.scalar_lr / SCALAR_LR_MUL,
-             wd_mul=0.0, betas=ADAM_BETAS["stream"]),
+        dict(params=[model.post_lambdas], lr=args.scalar_lr / SCALAR_LR_MUL, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
+        *nets(model.mudd, MUDD_LR_MUL), *nets(model.gates, GATE_NETS_LR_MUL),
     ]
     adam = Adam(groups, eps=args.adam_eps, weight_decay=ADAM_CAUTIOUS_WD, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start,
