@@ -602,6 +602,70 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     return torch.cat(blocks, dim=2)
 
 
+COMPOSITION_WINDOW = 112  # keys of each query's composed attention, its own the newest (the 2026-05-27 record's)
+COMPOSITION_EPS = 1e-6  # the rms norm's eps of each token's head-mixing weights (2026-05-27)
+COMPOSITION_CHUNK = 128  # queries at a time in eager runs: their window's products take chunk x window x D a head
+
+
+def document_starts(tokens: Tensor) -> Tensor:
+    """Each position's document's first position (T,): the last EOT_TOKEN at or before it, 0 before the first (the
+    documents of attention_mask())."""
+    positions = torch.arange(tokens.numel(), device=tokens.device)
+    return torch.where(tokens == EOT_TOKEN, positions, 0).cummax(0).values
+
+
+def composition_weights(mix: Tensor, gain: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The composed attention's per-token weights (B, T, H) in dtype (the activations'), from a gate's outputs: mix
+    rms-normed over the heads in float32 (the 2026-05-27 record's), gain as it is."""
+    return F.rms_norm(mix.float(), (mix.size(-1),), eps=COMPOSITION_EPS).to(dtype), gain.to(dtype)
+
+
+def composed_attention_correction(y: Tensor, q: Tensor, k: Tensor, v: Tensor, mix: Tensor, gain: Tensor,
+                                  starts: Tensor, scale: float, window: int = COMPOSITION_WINDOW,
+                                  chunk: int = COMPOSITION_CHUNK) -> Tensor:
+    """y (B, H, Tq, D), attend()'s output, plus the 2026-05-27 record's composed attention (post-softmax only, its
+    layer 10's): each head's softmax over the query's last `window` keys within its document, at attend's scale;
+    those patterns summed over the heads, weighted by mix, into one per query; each head adding its values under that
+    pattern times its gain. q: (B, H, Tq, D), the last Tq positions of k's and v's (B, H, Tk, D) (in generation a KV
+    cache's new ones); mix, gain: (B, Tq, H) from composition_weights(); starts: (Tq,) each query's document's first
+    key (document_starts()). Computed in float32 from the inputs' values, as the record's kernel: each head's weights
+    rounded to v's dtype before the product with v, y + the correction to y's dtype."""
+    Tq, Tk = q.size(2), k.size(2)
+    # Slot s of query i holds key Tk - Tq + i - (window - 1) + s; slots before key 0 hold zeros, masked as outside the
+    # document. Eager, chunk queries at a time; compiled, all at once: inductor sums the products without storing them.
+    first = Tk - Tq - (window - 1)
+    # (B, H, Tq, D, window) views of one unfold: backward sums each key's gradient over its queries in one pass,
+    # whatever the chunk (eager, holding window x D a query and head).
+    keys, values = (F.pad(t[:, :, max(first, 0):].float(), (0, 0, max(-first, 0), 0)).unfold(2, window, 1)
+                    for t in (k, v))
+    slots = torch.arange(first, first + Tq, device=q.device)[:, None] + torch.arange(window, device=q.device)
+    allowed = slots >= starts[:, None]
+    # The record's kernel takes exp2 of logits times scale * log2(e), that product in float32.
+    log2_scale = float32(float32(scale) * float32(LOG2E))
+    mix, gain = (w.float().transpose(1, 2) for w in (mix, gain))
+    chunk = Tq if torch.compiler.is_compiling() else chunk
+    corrections = [composed_chunk(*inputs, log2_scale, v.dtype) for inputs in zip(
+        q.float().split(chunk, 2), keys.split(chunk, 2), values.split(chunk, 2), allowed.split(chunk),
+        mix.split(chunk, 2), gain.split(chunk, 2))]
+    return (y.float() + torch.cat(corrections, dim=2)).to(y.dtype)
+
+
+def composed_chunk(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, mix: Tensor, gain: Tensor,
+                   log2_scale: float, weight_dtype: torch.dtype) -> Tensor:
+    """composed_attention_correction()'s correction of a chunk of C queries q (B, H, C, D), float32, against their
+    window's slots: keys, values (B, H, C, D, window), allowed (C, window), mix, gain (B, H, C). Every sum runs over
+    the same slots in the same order whatever the chunk: no result depends on it."""
+    logits = ((q[..., None] * keys).sum(-2) * log2_scale).masked_fill(~allowed, -math.inf)
+    # Softmax is unchanged by the shift: the max takes no gradient.
+    powers = torch.exp2(logits - logits.amax(-1, keepdim=True).detach())
+    probs = powers / powers.sum(-1, keepdim=True)
+    pattern = mix[:, 0, :, None] * probs[:, 0]
+    for h in range(1, q.size(1)):  # over the heads in order, as the kernel adds them
+        pattern = pattern + mix[:, h, :, None] * probs[:, h]
+    weights = (gain[..., None] * pattern[:, None]).to(weight_dtype).float()
+    return (weights[..., None, :] * values).sum(-1)
+
+
 def attention_scales(windows, first_scale: float, growth: float) -> dict[int, float]:
     """The softmax scale (QK-normed, so no 1/sqrt(d)) for each window of a run in order: first_scale,
     times 1 + growth ln(new / previous) at each new window (longer windows, sharper attention)."""

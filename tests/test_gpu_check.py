@@ -1,6 +1,7 @@
 """tools/gpu_check.py: its CPU path for real (the GPU checks say SKIP here), and that its checks can fail."""
 
 import dataclasses
+import functools
 import math
 import re
 import subprocess
@@ -25,7 +26,7 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
     status = {name: line.split()[len(name.split())] for name, line in rows.items()}
     flex = "PASS" if check_cpu_supported() else "SKIP"  # its compiled CPU kernel needs AVX2 and a vectorized ATen
     assert status == {"environment": "PASS", "fp8 matmul": "PASS", "flex forward": flex, "flex backward": "SKIP",
-                      "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
+                      "composition": "PASS", "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
     assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2026-04-08 record "
@@ -35,8 +36,9 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
         assert "windows of 128, 129, 334, 384 tokens (paired heads: 128) at scales 0.1000" in rows["flex forward"]
     else:
         assert "needs AVX2 and ATEN_CPU_CAPABILITY other than default" in rows["flex forward"]
-    assert proc.stdout.splitlines()[-1] == ("4 passed, 0 failed, 2 skipped" if flex == "PASS" else
-                                           "3 passed, 0 failed, 3 skipped")
+    assert "1024 tokens, 2 heads x 32, bf16, window 112: worst error" in rows["composition"]
+    assert proc.stdout.splitlines()[-1] == ("5 passed, 0 failed, 2 skipped" if flex == "PASS" else
+                                           "4 passed, 0 failed, 3 skipped")
     assert proc.returncode == 0
 
 
@@ -72,6 +74,20 @@ def test_a_wrong_flex_result_fails(monkeypatch):
                         real(tokens, window + 1 if backend == "sdpa" else window, backend, *rest, **kwargs))
     with pytest.raises(AssertionError, match="relative error"):
         gpu_check.check_flex(torch.device("cpu"), 256, backward=False, heads=1, head_dim=32, stages=1)
+
+
+@pytest.mark.parametrize("change", ["window 113", "no documents"])
+def test_a_wrong_composition_fails(monkeypatch, change):
+    """The composed attention with a window of one key more, or documents ignored, against the check's reference."""
+    real = train_gpt.composed_attention_correction
+    if change == "window 113":
+        wrong = functools.partial(real, window=train_gpt.COMPOSITION_WINDOW + 1)
+    else:
+        def wrong(y, q, k, v, mix, gain, starts, scale):
+            return real(y, q, k, v, mix, gain, torch.zeros_like(starts), scale)
+    monkeypatch.setattr(train_gpt, "composed_attention_correction", wrong)
+    with pytest.raises(AssertionError, match="times its allowance"):
+        gpu_check.check_composition(torch.device("cpu"), 1024, heads=2, head_dim=32)
 
 
 def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(monkeypatch):

@@ -10,6 +10,8 @@ Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any
   flex forward       compiled FlexAttention against SDPA with the same dense masks (record windows and scales; the
                      first stage's on CPU; windows that end inside a block)
   flex backward      the same for the gradients of q, k and v (CUDA: FlexAttention has no backward on CPU)
+  composition        the composed attention correction (the 2026-05-27 record's layer 10) in bf16 against dense
+                     float64 matrices of the same rule, each element within its rounding's allowance
   training steps     the record model compiled on one GPU at a reduced sequence length: step time, tokens/s, MFU
   all-reduce         train_gpt's bucketed all-reduce across processes against the average computed in one
                      (NCCL over every GPU; gloo over 2 CPU processes without CUDA)
@@ -56,6 +58,8 @@ import shards  # noqa: E402
 
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
 ATTENTION_TOLERANCE = 2e-2  # bf16 rounding on CUDA; float32 on CPU agrees far more closely
+BF16_UNIT_ROUNDOFF = 2.0**-8  # a rounding to bf16 (8 significant bits) moves a value by at most this of it
+COMPOSITION_FLOAT32_ERROR = 1e-3  # the composed attention's float32 arithmetic, relative (check_composition says why)
 CHECK_SEQ_LEN = 8 * 1024  # tokens per training step in the training check: compiles and runs in well under a minute
 BENCH_UNTIMED_STEPS = 2  # per training shape of a stage before timing: the first compiles the shape's graphs
 BENCH_DOC_TOKENS = 670  # mean synthetic document: FineWeb's sample-10BT holds about 10B GPT-2 tokens in 15M documents
@@ -195,6 +199,45 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
     return (f"{num_tokens} tokens, {heads} heads, windows of {', '.join(map(str, sorted({w for w, _, _ in cases})))} tokens "
             f"(paired heads: {', '.join(map(str, paired))}) at scales {', '.join(f'{s:.4f}' for s in sorted({s for _, s, _ in cases}))}: "
             f"max relative error {worst:.1e}")
+
+
+def check_composition(device: torch.device, num_tokens: int, heads: int = 6, head_dim: int = 128) -> str:
+    """The composed attention correction in bf16 (eager: chunks of queries) against the same rule as dense float64
+    matrices: causal, within COMPOSITION_WINDOW keys, within documents (record-like tokens), QK-normed q and k at the
+    record's first scale. Allowance, per element: it rounds to bf16 only each head's weights (2^-8 of each, so of the
+    magnitude sum_j |gain a_j| |v_j|, a_j <= sum_h |mix_h| p_hj) and the output (2^-8 of it); the rest is float32 on
+    exact bf16 inputs, whose first-order bound (tests/test_composition.py) is twice gamma(D) of the logits' magnitude
+    (scale x D for QK-normed q and k: under 2e-4 at D = 128, scale 0.1), plus gamma(window) and a few u, of the
+    magnitude and output: COMPOSITION_FLOAT32_ERROR is well above it."""
+    g = torch.Generator(device).manual_seed(5)
+    tokens = record_like_tokens(num_tokens, device)
+    q, k = (train_gpt.norm(torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g)).bfloat16()
+            for _ in range(2))
+    y, v = (torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g).bfloat16() for _ in range(2))
+    mix, gain = train_gpt.composition_weights(*torch.randn(2, 1, num_tokens, heads, device=device, generator=g),
+                                              torch.bfloat16)
+    scale = train_gpt.Hyperparameters().attention_scale
+    starts = train_gpt.document_starts(tokens)
+    out = train_gpt.composed_attention_correction(y, q, k, v, mix, gain, starts, scale)
+
+    positions, docs = torch.arange(num_tokens, device=device), (tokens == train_gpt.EOT_TOKEN).cumsum(0)
+    back = positions[:, None] - positions[None, :]
+    allowed = (back >= 0) & (back < train_gpt.COMPOSITION_WINDOW) & (docs[:, None] == docs[None, :])
+    q64, k64, v64, y64 = (t[0].double() for t in (q, k, v, y))
+    mix64, gain64 = (t[0].double().T[..., None] for t in (mix, gain))  # (H, T, 1)
+    probs = (scale * q64 @ k64.transpose(1, 2)).masked_fill(~allowed, float("-inf")).softmax(-1)
+    exact = y64 + gain64 * ((mix64 * probs).sum(0) @ v64)
+    magnitude = gain64.abs() * ((mix64.abs() * probs).sum(0) @ v64.abs())
+    allowance = (BF16_UNIT_ROUNDOFF + COMPOSITION_FLOAT32_ERROR) * (magnitude + exact.abs())
+    worst = float(((out[0].double() - exact).abs() / allowance).max())
+    if worst > 1:
+        raise AssertionError(f"an error {worst:.2f} times its allowance")
+    summary = (f"{num_tokens} tokens, {heads} heads x {head_dim}, bf16, window {train_gpt.COMPOSITION_WINDOW}: worst "
+               f"error {worst:.2f} of its allowance")
+    if device.type == "cuda":
+        ms = cuda_ms(lambda: train_gpt.composed_attention_correction(y, q, k, v, mix, gain, starts, scale))
+        summary += f"; {ms:.1f} ms eager"
+    return summary
 
 
 def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps: int = 6, warmup: int = 2) -> str:
@@ -426,6 +469,7 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
         ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
                                             **({} if cuda else dict(heads=2, head_dim=32, stages=1)))),
         ("flex backward", lambda: check_flex(device, 4096, backward=True)),
+        ("composition", lambda: check_composition(device, *((4096,) if cuda else (1024, 2, 32)))),
         ("training steps", lambda: check_training(device, training)),
         ("all-reduce", lambda: check_allreduce(device)),
     ]
