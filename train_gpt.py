@@ -602,16 +602,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     return torch.cat(blocks, dim=2)
 
 
+LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
 COMPOSITION_WINDOW = 112  # keys of each query's composed attention, its own the newest (the 2026-05-27 record's)
 COMPOSITION_EPS = 1e-6  # the rms norm's eps of each token's head-mixing weights (2026-05-27)
 COMPOSITION_CHUNK = 128  # queries at a time in eager runs: their window's products take chunk x window x D a head
 
 
-def document_starts(tokens: Tensor) -> Tensor:
-    """Each position's document's first position (T,): the last EOT_TOKEN at or before it, 0 before the first (the
-    documents of attention_mask())."""
+def document_starts(tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
+    """Each position's document's first position (T,): the last EOT_TOKEN (or restart, evaluation's) at or before it,
+    0 before the first (the documents of attention_mask())."""
     positions = torch.arange(tokens.numel(), device=tokens.device)
-    return torch.where(tokens == EOT_TOKEN, positions, 0).cummax(0).values
+    firsts = tokens == EOT_TOKEN if restarts is None else (tokens == EOT_TOKEN) | restarts
+    return torch.where(firsts, positions, 0).cummax(0).values
 
 
 def composition_weights(mix: Tensor, gain: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -767,7 +769,7 @@ class CausalSelfAttention(nn.Module):
                 gates: LayerGates, starts: Tensor | None = None, cache=None, positions: int | Tensor = 0,
                 restarts: Tensor | None = None) -> Tensor:
         """x: the normed input; extra_v (1, T, D): what joins v (value embeddings, dense connections); lambdas: (on q,
-        k and v's weights, on the output projection's); starts: each key's document start (the composition's);
+        k and v's weights, on the output projection's); starts: each query's document start (the composition's);
         cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values; positions: x's for
         the rotary (Rotary.forward); restarts: evaluation's (GPT.trunk)."""
         B, T, H, D = x.size(0), x.size(1), self.num_heads, self.head_dim
@@ -788,12 +790,13 @@ class CausalSelfAttention(nn.Module):
         if extra_v is not None:
             v = v + extra_v.view_as(v)
         own_v = v  # XSA's: this step's values, without a cache's earlier ones
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
-            k, v = (t.transpose(1, 2) for t in cache.append(k.transpose(1, 2), v.transpose(1, 2)))
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
+            k, v = cache.append(k, v)
+        y = attend(q, k, v, mask, scale)
         if gates.composition is not None:
-            y = composed_attention_correction(y, q, k, v, *composition_weights(*gates.composition, H), starts, scale)
-        y = y.reshape(B, T, H, D)
+            y = composed_attention_correction(y, q, k, v, *composition_weights(*gates.composition, x.dtype), starts, scale)
+        y = y.transpose(1, 2).reshape(B, T, H, D)
         if gates.xsa is not None:
             y = y - self_value_share(y, own_v, gates.xsa)
         if gates.output is not None:
@@ -880,9 +883,6 @@ def long_window_layers(num_layers: int) -> list[bool]:
 # Validation's loss this many positions at a time: its float32 logits take 1.6 GB whatever val_seq_len
 # is, where the record's 262,144 positions would need 53 GB at once.
 EVAL_LOSS_CHUNK = 8192
-
-
-LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
 
 
 def chunked_eval_loss(xn: Tensor, w: Tensor, targets: Tensor, cap: float, offset: float) -> Tensor:
@@ -1230,7 +1230,7 @@ class GPT(nn.Module):
         gates = self.unpack_gates(0, x0)
         x = x0 + bigram * gates["bigram", 0]
         states = {0: x}  # the stream before layer 0, after the skip's source and the backout layer: later layers read them
-        run = dict(masks=masks, scale=self.attention_scales[window], starts=document_starts(seen, restarts),
+        run = dict(masks=masks, scale=self.attention_scales[window], starts=document_starts(seen, restarts)[-tokens.numel():],
                    cache=cache, positions=positions, restarts=restarts)
         for i in range(L):
             if i == source + 1:
