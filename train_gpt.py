@@ -908,88 +908,104 @@ def targets_ahead(targets: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return ahead, torch.arange(T, device=targets.device)[:, None] + torch.arange(n, device=targets.device) < T
 
 
-LOSS_BLOCK = 2048  # the columns the record's fused loss kernel takes at a time in its log-sum-exp
+def prefix_table(ranks: dict[bytes, int], size: int) -> Tensor:
+    """(size,) int64: for each token id below size, the token whose bytes are the longest proper prefix of its bytes
+    among the tokens below size (ranks: bytes -> id, tiktoken's); -1 where none, and for ids no bytes have (EOT, the
+    padding). The prefix token's loss term (the record's from 2026-07-13) aims at it."""
+    table = [-1] * size
+    for token, i in ranks.items():
+        if i < size:
+            shorter = (ranks.get(token[:n], size) for n in range(len(token) - 1, 0, -1))
+            table[i] = next((j for j in shorter if j < size), -1)
+    return torch.tensor(table, dtype=torch.int64)
+
+
 INV_SPREAD = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))  # the kernel's 1 / 7.5 in float32 (correctly
-# rounded; Triton's division on the GPU may differ by an ulp)
+# rounded; the kernel's fast-math division on the GPU may differ by an ulp)
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # the kernel's conversion to e5m2 saturates here (torch's would give inf)
 
 
-def kernel_softcap(logits: Tensor, cap: float, offset: float) -> tuple[Tensor, Tensor]:
-    """(cap s, s), s = sigmoid(z / 7.5 + offset / 7.5) in float32 as the fused kernel writes it: 1 / (1 + exp(-u)), both
-    divisions products with 7.5's float32 reciprocal (the records from 2026-02-02)."""
+def kernel_sigmoid(logits: Tensor, offset: float) -> Tensor:
+    """s = sigmoid(z / 7.5 + offset / 7.5) in float32 as the fused kernel makes it (the records from 2026-04-04): 0.5 +
+    tanh(u / 2) / 2, both divisions by 7.5 products with its float32 reciprocal."""
     u = logits.float() * INV_SPREAD + float32(np.float32(offset) * np.float32(INV_SPREAD))
-    s = 1 / (1 + torch.exp(-u))
-    return cap * s, s
+    return 0.5 + torch.tanh(u * 0.5) * 0.5
 
 
-def blockwise_logsumexp(z: Tensor) -> Tensor:
-    """Each row's log-sum-exp as the fused kernel makes it: over blocks of LOSS_BLOCK columns in order, the running sum
-    rescaled to the running maximum, then each block's sum of exp(z - that maximum) added."""
-    rows, cols = z.shape
-    blocks = -(-cols // LOSS_BLOCK)
-    z = F.pad(z, (0, blocks * LOSS_BLOCK - cols), value=float("-inf")).view(rows, blocks, LOSS_BLOCK)
-    running_max = z.amax(dim=-1).cummax(dim=-1).values
-    sums = torch.exp(z - running_max[..., None]).sum(dim=-1)
-    total = sums[:, 0]
-    for b in range(1, blocks):
-        total = total * torch.exp(running_max[:, b - 1] - running_max[:, b]) + sums[:, b]
-    return running_max[:, -1] + torch.log(total)
+def loss_terms(targets: Tensor, weights: Tensor, prefix_targets: Tensor | None,
+               prefix_weight: Tensor | None) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Each position's cross-entropy terms in the kernel's order, as (column (T, 1), valid (T,), weight): the next
+    len(weights) targets (multi-token prediction), then the prefix token of the next target where it has one."""
+    ahead, valid = targets_ahead(targets, weights.numel())
+    terms = [(ahead[:, k:k + 1], valid[:, k], weights[k]) for k in range(weights.numel())]
+    if prefix_targets is not None:
+        terms.append((prefix_targets.clamp_min(0)[:, None], prefix_targets >= 0, prefix_weight.reshape(())))
+    return terms
 
 
 class SoftcappedLoss(torch.autograd.Function):
-    """Training's lm_head and loss as the records from 2026-01-24 compute them (their fused kernel's math, in PyTorch):
-    the logits x @ w^T (FP8, fp8_mm, given fp8_scales (x_s, w_s, grad_s)); each position's cross-entropies against the
-    next len(weights) targets of the float32 softcapped logits, weighted and summed in order (multi-token prediction,
-    records from 2025-12-22). The logits' gradient is made in float32 from the saved logits and log-sum-exps in the
-    kernel's order of operations, divided by grad_s and rounded once: to e5m2 with FP8, else to the logits' dtype."""
+    """Training's lm_head and loss as the records from 2026-04-04 compute them (their fused CUDA kernel's math, in
+    PyTorch): the logits x @ w^T (FP8, fp8_mm, given fp8_scales (x_s, w_s, grad_s)); s = kernel_sigmoid, kept in the
+    logits' dtype (bf16 in the records); the log-sum-exp of cap s about the largest cap s before that rounding; each
+    position's weighted cross-entropies (loss_terms: the next targets, then, given prefix_targets (T,), the prefix
+    token at prefix_weight, from 2026-07-13) summed in order. The logits' gradient is made in float32 from the saved s
+    and log-sum-exps in the kernel's order of operations, its softmax part weighted by every weight (a multi-token
+    target past the end's too), divided by grad_s and rounded once: to e5m2 with FP8, else to the logits' dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, offset: float,
-                fp8_scales: tuple[float, float, float] | None = None) -> Tensor:
+                fp8_scales: tuple[float, float, float] | None = None, prefix_targets: Tensor | None = None,
+                prefix_weight: Tensor | None = None) -> Tensor:
         if fp8_scales is None:
             w = w.type_as(x)
             logits = F.linear(x, w)
         else:
             logits, x, w = fp8_mm(x, w, *fp8_scales[:2])  # the matmul's operands as the backward takes them: in e4m3
-        z = kernel_softcap(logits, cap, offset)[0]
-        lse = blockwise_logsumexp(z)
-        ahead, valid = targets_ahead(targets, weights.numel())
+        s = kernel_sigmoid(logits, offset)
+        row_max = (cap * s).amax(dim=-1)
+        s = s.to(logits.dtype)
+        z = cap * s.float()
+        lse = row_max + torch.log(torch.exp(z - row_max[:, None]).sum(dim=-1))
+        terms = loss_terms(targets, weights, prefix_targets, prefix_weight)
         losses = torch.zeros_like(lse)
+        for column, valid, weight in terms:
+            losses = losses + torch.where(valid, weight * (lse - z.gather(1, column)[:, 0]), 0)
+        # The softmax's weight: the prefix term's where it has one, then every multi-token weight, as the kernel adds.
+        weight_sum = (torch.zeros_like(lse) if prefix_targets is None else
+                      torch.where(prefix_targets >= 0, prefix_weight.reshape(()), 0))
         for k in range(weights.numel()):
-            losses = losses + torch.where(valid[:, k], weights[k] * (lse - z.gather(1, ahead[:, k:k + 1])[:, 0]), 0)
-        ctx.save_for_backward(logits, lse, targets, weights, x, w)
-        ctx.cap, ctx.offset, ctx.fp8_scales = cap, offset, fp8_scales
+            weight_sum = weight_sum + weights[k]
+        ctx.save_for_backward(s, lse, weight_sum, targets, weights, prefix_targets, prefix_weight, x, w)
+        ctx.cap, ctx.fp8_scales = cap, fp8_scales
         return losses
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, lse, targets, weights, x, w = ctx.saved_tensors
+        s, lse, weight_sum, targets, weights, prefix_targets, prefix_weight, x, w = ctx.saved_tensors
         fp8 = ctx.fp8_scales is not None
         grad_s = ctx.fp8_scales[2] if fp8 else 1.0
-        z, s = kernel_softcap(logits, ctx.cap, ctx.offset)
-        # The kernel's factors of each row, in float32: the loss's gradient / grad_s, times cap / 7.5.
+        # The kernel's factors of each row, in float32: the loss's gradient times cap / 7.5, then 1 / grad_s.
         inv_grad_s, cap_spread = float32(np.float32(1) / np.float32(grad_s)), float32(np.float32(INV_SPREAD) * np.float32(ctx.cap))
-        row_scale = (grad * inv_grad_s * cap_spread)[:, None]
-        ahead, valid = targets_ahead(targets, weights.numel())
-        weight_sum = torch.zeros_like(lse)
-        for k in range(weights.numel()):
-            weight_sum = weight_sum + torch.where(valid[:, k], weights[k], 0)
-        scaled_softmax = weight_sum[:, None] * torch.exp(z - lse[:, None])
-        grad_logits = row_scale * scaled_softmax * s * (1 - s)
-        # At each target, the weights of every k aiming there taken away, summed in k's order, as the kernel does.
-        for k in range(weights.numel()):
-            column = ahead[:, k:k + 1]
+        row_scale = (grad * cap_spread * inv_grad_s)[:, None]
+        sf = s.float()
+        scaled_softmax = weight_sum[:, None] * torch.exp(ctx.cap * sf - lse[:, None])
+        grad_logits = row_scale * scaled_softmax * sf * (1 - sf)
+        # At each term's column, the weights of every term aiming there taken away, summed in the terms' order.
+        terms = loss_terms(targets, weights, prefix_targets, prefix_weight)
+        for column, valid, _ in terms:
             aimed = torch.zeros_like(lse)
-            for j in range(weights.numel()):
-                aimed = aimed + torch.where(valid[:, j] & (ahead[:, j] == column[:, 0]), weights[j], 0)
-            s_at = s.gather(1, column)
+            for other, other_valid, weight in terms:
+                aimed = aimed + torch.where(other_valid & (other[:, 0] == column[:, 0]), weight, 0)
+            s_at = sf.gather(1, column)
             at = row_scale * (scaled_softmax.gather(1, column) - aimed[:, None]) * s_at * (1 - s_at)
-            grad_logits.scatter_(1, column, torch.where(valid[:, k:k + 1], at, grad_logits.gather(1, column)))
+            grad_logits.scatter_(1, column, torch.where(valid[:, None], at, grad_logits.gather(1, column)))
         if fp8:
-            grad_x, grad_w = fp8_mm_backward(grad_logits.to(torch.float8_e5m2), x, w, *ctx.fp8_scales)
+            grad_x, grad_w = fp8_mm_backward(grad_logits.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2), x, w,
+                                             *ctx.fp8_scales)
         else:
-            grad_logits = grad_logits.to(logits.dtype)
+            grad_logits = grad_logits.to(s.dtype)
             grad_x, grad_w = grad_logits.mm(w), grad_logits.t().mm(x)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 RESIDUAL_LAMBDA_INIT = 1.1**0.5  # each sub-layer scales the stream by this before adding its output, 1.1 a layer (from 2026-02-12)
@@ -1185,6 +1201,9 @@ class GPT(nn.Module):
         self.rotary = Rotary(c.head_dim, c.max_seq_len, c.window_unit, c.dtype)
         self.attention_scales = attention_scales(c.windows, c.attention_scale, c.attention_scale_growth)
         self.lm_head = lm_head
+        # Each token's prefix token (prefix_table()), which training's loss also predicts; -1 everywhere until a run
+        # gives it one (Trainer): no prefix term. Not a weight: checkpoints leave it out.
+        self.register_buffer("prefix_table", torch.full((padded_vocab,), -1, dtype=torch.int64), persistent=False)
         for module in self.modules():
             if isinstance(module, (nn.Embedding, CastedLinear)):
                 module.to(c.dtype)
@@ -1192,17 +1211,20 @@ class GPT(nn.Module):
             p.data = p.data.to(c.dtype)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None,
-                mtp_weights: Tensor | None = None) -> Tensor:
+                mtp_weights: Tensor | None = None, prefix_weight: Tensor | None = None) -> Tensor:
         """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
         the long layers' alone). Training returns the summed loss (SoftcappedLoss; mtp_weights: each position's next
-        targets' weights, the next one's alone if None), eval the mean (chunked_eval_loss)."""
+        targets' weights, the next one's alone if None; prefix_weight: the weight of the next target's prefix token
+        (prefix_table), no such term if None), eval the mean (chunked_eval_loss)."""
         x = self.trunk(input_seq, window, long_window=long_window)
         if not self.training:
             return chunked_eval_loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq, self.logit_cap,
                                      self.logit_offset) / target_seq.numel()
         weights = torch.ones(1, device=x.device) if mtp_weights is None else mtp_weights
+        prefix_targets = None if prefix_weight is None else self.prefix_table[target_seq]
         return SoftcappedLoss.apply(norm(x).view(-1, x.size(-1)), self.lm_head.weight, target_seq, weights,
-                                    self.logit_cap, self.logit_offset, self.fp8_scales).sum()
+                                    self.logit_cap, self.logit_offset, self.fp8_scales, prefix_targets,
+                                    prefix_weight).sum()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -2035,6 +2057,7 @@ LR_STAGE_PEAKS = (1.0, 1.52, 1.73)  # the lr multiplier before the cooldown in e
 # (records from 2025-11-29)
 LR_FLOOR = 0.15  # the multiplier the cooldown ends at, kept through the extension (records from 2026-02-10; 0.1 before)
 MTP_WEIGHTS = (1.0, 0.5, 0.25)  # multi-token prediction's weights of the next 1, 2, 3 tokens (records from 2025-12-22)
+PREFIX_WEIGHT = 0.25  # the prefix token's loss weight, fading to 0 over the second third (records from 2026-07-13)
 UNTIE_EMBED_FRAC = 2 / 3  # the embedding is tied to the lm_head until Adam's first step from this fraction of the
 # scheduled steps (records from 2025-12-22)
 
@@ -2115,6 +2138,17 @@ def mtp_weights_at(step: int, args: Hyperparameters) -> tuple[float, ...]:
     return tuple(weights)
 
 
+def prefix_weight_at(step: int, args: Hyperparameters) -> float:
+    """The prefix token's loss weight at step, in float32 (as the record's tensor of it): in the parts of
+    mtp_weights_at, PREFIX_WEIGHT in the first, then moving linearly from it toward 0 over the second, a + (0 - a) t;
+    0 from the third on and in the extension (the records' from 2026-07-13)."""
+    k, first, end = stage_bounds(step, len(MTP_WEIGHTS), args)
+    if k != 1:
+        return PREFIX_WEIGHT if k == 0 else 0.0
+    t = (step - first) / (end - first)
+    return float32(PREFIX_WEIGHT + (0.0 - PREFIX_WEIGHT) * t)
+
+
 def untie_step(args: Hyperparameters) -> int:
     """The step after whose update the input embedding stops being a copy of the lm_head: Adam's first step from
     round(UNTIE_EMBED_FRAC N) on (the records' third stage's first step | 1, from 2026-01-30); past the last step in
@@ -2150,13 +2184,17 @@ class Trainer:
     """This rank's model, optimizers and gradient synchronization, and what a run does with them:
     training steps and validation. Identical on every rank after construction."""
 
-    def __init__(self, args: Hyperparameters, rank: int, world_size: int, plan: DevicePlan):
+    def __init__(self, args: Hyperparameters, rank: int, world_size: int, plan: DevicePlan,
+                 prefix_table: Tensor | None = None):
+        """prefix_table: the model's (prefix_table()); None: none, so no prefix token's loss term."""
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, plan.device
         torch.use_deterministic_algorithms(plan.deterministic)  # process-wide; read when torch.compile builds kernels
         if plan.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
         self.model = build_model(args, training_seq_len(args), plan, world_size).to(plan.device)
+        if prefix_table is not None:
+            self.model.prefix_table.copy_(prefix_table)
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -2181,9 +2219,11 @@ class Trainer:
         self.window = window_at(0, args)
         self.untie_step = untie_step(args)
         self.tie_embedding(embed_tied_at(0, args))
-        # Each step's multi-token weights, made once ((1.0,): the next token's alone).
+        # Each step's multi-token weights ((1.0,): the next token's alone) and prefix token's weight, made once.
         self.mtp_weights = [torch.tensor(w, device=plan.device) for w in (mtp_weights_at(step, args)
                                                                           for step in range(args.num_iterations))]
+        self.prefix_weights = [torch.tensor(prefix_weight_at(step, args), device=plan.device)
+                               for step in range(args.num_iterations)]
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
 
@@ -2212,7 +2252,7 @@ class Trainer:
             if self.buckets is not None:
                 self.buckets.last_micro_step = i == len(micro_batches) - 1
                 self.buckets.reduce_deferred = adam_steps
-            loss = self.compiled(inputs, targets, self.window, None, self.mtp_weights[step])
+            loss = self.compiled(inputs, targets, self.window, None, self.mtp_weights[step], self.prefix_weights[step])
             (loss * self.loss_scale).backward()
             total += loss.detach()
         if self.buckets is not None:
@@ -2406,6 +2446,7 @@ def main(argv: list[str] | None = None) -> dict:
     stream = TokenStream(args.train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
                          plan.pinned_memory, min(args.packed_doc_len))
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
+    prefixes = prefix_table(support.gpt2_ranks(), next_multiple(args.vocab_size, 128))  # the GPT-2 ranks' file too
     if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()
     run_id = args.run_id or str(uuid.uuid4())
@@ -2427,7 +2468,7 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"checkpoints: {folder.path}, held by this launch ({folder.launch}) while it runs", console=False)
         peak = support.matmul_peak(device, DTYPES[plan.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)
-        trainer = Trainer(args, rank, world_size, plan)
+        trainer = Trainer(args, rank, world_size, plan, prefixes)
         for line in support.describe_run(trainer):
             log(line, console=False)
         start_step, clock = 0, support.TrainingClock()

@@ -48,6 +48,12 @@ def _ranks_file():
     return next((p for p in RANKS_CANDIDATES if p.is_file()), None)
 
 
+# Every training run reads them too (run_support.gpt2_ranks: the prefix-token table), in this process and in the
+# ones it starts: the local copy unless the environment names one.
+if _ranks_file() is not None:
+    os.environ.setdefault("GPT2_TIKTOKEN_FILE", str(_ranks_file()))
+
+
 def _refuse_online(name):
     raise ConnectionError(f"tests do not download tiktoken's {name} files")
 

@@ -28,7 +28,8 @@ FP32_RECIPROCAL_ERROR = gamma(2)
 
 
 def gradient_codes(g, grad_s):
-    """g's e5m2 copy as SoftcappedLoss makes it: times grad_s's float32 reciprocal, rounded once to e5m2."""
+    """g's e5m2 copy: times grad_s's float32 reciprocal, rounded once to e5m2 (SoftcappedLoss's codes: its float32
+    gradient, 1 / grad_s among its factors, rounded once)."""
     return (g.float() * train_gpt.float32(1 / train_gpt.float32(grad_s))).to(torch.float8_e5m2)
 
 
@@ -103,31 +104,42 @@ def test_backward_gradients_within_fp8_tolerance(seed):
     assert_within(grad_w, *fp8_product_and_bound(g.T, g_error.T, x, x_error, torch.float32), "grad_w against g.T @ x")
 
 
-def test_the_loss_takes_the_fp8_ops_on_its_own_codes():
-    """SoftcappedLoss with FP8 scales: its logits are fp8_mm's, to the bit, and its gradients are fp8_mm_backward's on
-    the forward's e4m3 copies and the e5m2 codes of the float32 gradient of the logits, which the same loss without
-    FP8 (on those logits' values, in float32) computes before its rounding; the codes made through bf16 (the records'
-    before 2026-01-24) differ on some entries, and so do the gradients."""
+def test_the_loss_takes_the_fp8_ops_on_its_own_codes(monkeypatch):
+    """SoftcappedLoss with FP8 scales: its logits are fp8_mm's (its losses are those of the same loss without FP8 on
+    those bf16 logits, to the bit), and its gradients are fp8_mm_backward's on the forward's e4m3 copies and the e5m2
+    codes it hands over. Those codes times grad_s are the gradient the loss without FP8 makes of those logits (rounded
+    to bf16) within their roundings: its float32 gradient, its factors in another order and 1 / grad_s (ten roundings
+    apart), rounded to e5m2 and, in the loss without FP8, to bf16. The codes made through bf16 (that gradient, then
+    divided by grad_s: the records' before 2026-01-24) differ on some entries, and so do the gradients."""
     x, w, _ = lm_head_operands(6)
     w = w.bfloat16()  # the lm_head's, in the run's dtype
     x_s, w_s, grad_s = scales = (*train_gpt.LM_HEAD_FP8_SCALES[:2], 0.125 * train_gpt.LM_HEAD_FP8_SCALES[2])
     targets, weights = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(6)), torch.tensor([1.0, 0.5])
     logits, x_f8, w_f8 = train_gpt.fp8_mm(x, w, x_s, w_s)
+    handed = []
+    fp8_mm_backward = train_gpt.fp8_mm_backward
+    monkeypatch.setattr(train_gpt, "fp8_mm_backward",
+                        lambda g_f8, *args: handed.append(g_f8) or fp8_mm_backward(g_f8, *args))
     xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
     losses = train_gpt.SoftcappedLoss.apply(xi, wi, targets, weights, 23.0, 5.0, scales)
     (losses.sum() * 0.125).backward()
-    # the float32 gradient of the logits, from the same logits: the loss without FP8 on x = I, w = logits^T
-    z = logits.float().detach().requires_grad_()
-    eye = torch.eye(N)
-    plain = train_gpt.SoftcappedLoss.apply(eye, z.T.contiguous().requires_grad_(), targets, weights, 23.0, 5.0, None)
+    # the gradient of the same logits without FP8: the loss on x = I, w = logits^T
+    z = logits.detach().T.contiguous().requires_grad_()
+    plain = train_gpt.SoftcappedLoss.apply(torch.eye(N, dtype=torch.bfloat16), z, targets, weights, 23.0, 5.0, None)
     assert torch.equal(plain, losses.detach())
     (grad_z,) = torch.autograd.grad(plain.sum() * 0.125, z)
-    codes = gradient_codes(grad_z, grad_s)
-    expected = torch.ops.nanogpt.fp8_mm_backward(codes, x_f8, w_f8, *scales)
-    assert torch.equal(xi.grad, expected[0]) and torch.equal(wi.grad, expected[1].bfloat16())
-    through_bf16 = (grad_z.bfloat16().float() * train_gpt.float32(1 / train_gpt.float32(grad_s))).to(torch.float8_e5m2)
+    grad_z = grad_z.T.double()
+    (codes,) = handed
+    assert torch.equal(xi.grad, fp8_mm_backward(codes, x_f8, w_f8, *scales)[0])
+    assert torch.equal(wi.grad, fp8_mm_backward(codes, x_f8, w_f8, *scales)[1].bfloat16())
+    u_b = UNIT_ROUNDOFF[torch.bfloat16]
+    float32_gradient = grad_z.abs() * (1 + 2 * u_b)  # at most, from its bf16 rounding
+    bound = (rounding_bound(float32_gradient * (1 + gamma(10)) / grad_s, torch.float8_e5m2) * grad_s
+             + (2 * u_b + gamma(10)) * float32_gradient)
+    assert_within(codes.double() * grad_s, grad_z, bound, "the codes")
+    through_bf16 = (grad_z.float() * train_gpt.float32(1 / train_gpt.float32(grad_s))).to(torch.float8_e5m2)
     assert not torch.equal(through_bf16.float(), codes.float())
-    assert not torch.equal(torch.ops.nanogpt.fp8_mm_backward(through_bf16, x_f8, w_f8, *scales)[0], xi.grad)
+    assert not torch.equal(fp8_mm_backward(through_bf16, x_f8, w_f8, *scales)[0], xi.grad)
 
 
 # opcheck's test_schema and test_aot_dispatch_* call allclose/sum on every output, which torch
@@ -156,9 +168,9 @@ def test_opcheck_backward(x_dtype):
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_matches_eager(backward):
-    """The training loss with FP8 traces through torch.compile and computes exactly what eager does: the compiled graphs
-    call the same custom ops, which run the same _scaled_mm on the same e4m3 and e5m2 values, so the results are
-    equal."""
+    """The training loss with FP8 traces through torch.compile whole: AOT autograd's graphs (backend aot_eager) call the
+    same custom ops, which run the same _scaled_mm on the same e4m3 and e5m2 values, and eager's kernels around them,
+    so the results are equal. (Inductor's kernels round the loss's float32 math apart from eager's: the next test.)"""
     x, w, _ = lm_head_operands(4)
     scales = train_gpt.LM_HEAD_FP8_SCALES
     targets = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
@@ -174,9 +186,28 @@ def test_compiled_matches_eager(backward):
     fn = lambda a, b: train_gpt.SoftcappedLoss.apply(a, b, targets, torch.ones(1), 23.0, 5.0, scales).sum()
     # Inductor's cache keys do not cover a custom op's fake, so a cached graph could outlive a fix.
     with torch._inductor.config.patch(force_disable_caches=True):
-        compiled_results = run(torch.compile(fn, dynamic=False, fullgraph=True))
+        compiled_results = run(torch.compile(fn, backend="aot_eager", dynamic=False, fullgraph=True))
     for eager, compiled in zip(run(fn), compiled_results):
         assert compiled.dtype == eager.dtype and torch.equal(compiled, eager)
+
+
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
+def test_inductor_reads_the_custom_ops_results_as_eager_does():
+    """Under inductor, both ops' results (the logits and e4m3 copies, grad_x and the transposed grad_w), read by
+    inductor's kernels through the fakes' shapes, dtypes and strides (times 2: exact), are eager's to the bit."""
+    x, w, g = lm_head_operands(5)
+    scales = train_gpt.LM_HEAD_FP8_SCALES
+
+    def ops(a, b, g_f8):
+        out, a_f8, b_f8 = train_gpt.fp8_mm(a, b, *scales[:2])
+        grad_x, grad_w = train_gpt.fp8_mm_backward(g_f8, a_f8, b_f8, *scales)
+        return out * 2, a_f8.float() * 2, b_f8.float() * 2, grad_x * 2, grad_w * 2
+
+    args = (x, w.bfloat16(), gradient_codes(g, scales[2]))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled = torch.compile(ops, dynamic=False, fullgraph=True)(*args)
+    for eager, result in zip(ops(*args), compiled, strict=True):
+        assert result.dtype == eager.dtype and torch.equal(result, eager)
 
 
 def test_lm_head_scales():
@@ -188,8 +219,8 @@ def test_lm_head_scales():
 @pytest.mark.parametrize("cap, offset", [(23.0, 5.0), (30.0, 0.0)])
 def test_gradient_bound_holds_and_fits_e5m2(cap, offset):
     """The gradient of the summed softcapped cross-entropy w.r.t. the lm_head output z is at most cap / (4 x 7.5) per
-    element (and comes close to it); multi-token prediction sums at most sum(MTP_WEIGHTS) such terms a position, so
-    g / grad_s at the record's scale never overflows e5m2."""
+    element (and comes close to it); multi-token prediction and the prefix token's term sum at most sum(MTP_WEIGHTS) +
+    PREFIX_WEIGHT such terms a position, so g / grad_s at the record's scale never overflows e5m2."""
     torch.manual_seed(int(cap))
     spread = 7.5
     # logits around the softcap's steepest point (z = -offset) and far out on both sides
@@ -201,6 +232,6 @@ def test_gradient_bound_holds_and_fits_e5m2(cap, offset):
     bound = cap / (4 * spread)
     assert grad.abs().max() <= bound
     assert grad.abs().max() > 0.99 * bound  # the bound is tight: no range wasted
-    scaled = grad * sum(train_gpt.MTP_WEIGHTS) / train_gpt.LM_HEAD_FP8_SCALES[2]
+    scaled = grad * (sum(train_gpt.MTP_WEIGHTS) + train_gpt.PREFIX_WEIGHT) / train_gpt.LM_HEAD_FP8_SCALES[2]
     assert scaled.abs().max() <= 57344
     assert torch.isfinite(scaled.to(torch.float8_e5m2).float()).all()

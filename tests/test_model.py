@@ -3,6 +3,7 @@ backends, and the gradient-ready order that GradientBuckets relies on."""
 
 import copy
 import functools
+import hashlib
 import math
 import sys
 import warnings
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytest
 import torch
 
+import run_support
 import train_gpt
 from conftest import needs_flex_on_cpu
 from rounding import (EXP_ULPS, UNIT_ROUNDOFF, TorchCalls, assert_within, cos_sin_bound, first_order_bound, gamma,
@@ -314,8 +316,8 @@ def test_a_zero_lm_head_gives_uniform_logits():
         eval_loss = model(tokens, targets, 4)
     u, padded = UNIT_ROUNDOFF[torch.float32], 50304
     log_vocab, rows = math.log(padded), worst_case_gamma(T - 1) * math.log(padded)
-    # train: SoftcappedLoss's blocks sum V ones exactly (each rescale by exp(0) = 1); then log (within EXP_ULPS ulps,
-    # like exp) and two roundings of at most 16 + ln V per row
+    # train: SoftcappedLoss sums V ones exactly (cap s less the row's max is 0: s stays float32); then log (within
+    # EXP_ULPS ulps, like exp) and two roundings of at most 16 + ln V per row
     train_bound = 2 * EXP_ULPS * u * log_vocab + 2 * u * (16 + log_vocab) + rows
     assert_within(train_loss / T, torch.tensor(log_vocab, dtype=torch.float64), train_bound, "train loss")
     assert_within(eval_loss, torch.tensor(log_vocab, dtype=torch.float64), uniform_eval_loss_bound(padded, T),
@@ -1245,132 +1247,139 @@ def test_the_run_dtype_rounds_every_weight_and_the_losses_take_it():
     assert torch.equal(val, expected)
 
 
-def records_fused_loss(logits, targets, weights, grad, grad_s=1.0, block=2048, cap=23.0, offset=5.0, spread=7.5):
-    """The 2026-03-22 record's fused_softcapped_entropy kernels written out, row by row, in their order, in float32 (its
-    scalars float32, as Triton takes a Python float; torch's exp and log for Triton's). Forward: inv_C = 1 / C and
-    B_div_C = B inv_C; s = 1 / (1 + exp(-(x inv_C + B_div_C))) (tl.sigmoid) of the float32 raw logits x, z = A s; lse
-    by its loop over blocks of 2048 columns (the last padded with -inf): the running maximum m', the running sum times
-    exp(m - m') plus the block's sum of exp(z - m'), then m + log(sum); loss_r = the sum over k in order of w_k (lse_r
-    - z[target_(r+k)]) where r + k < T. Backward: with the upstream gradient g_r, S_w the sum of the valid w_k in
-    order and term2 the weights aimed at each column summed in k's order, ((g_r (1 / grad_s)) (inv_C A)) (S_w exp(z -
-    lse) - term2) s (1 - s), left to right; returned in float32, as before the kernel's rounding (to e5m2)."""
+def kernel_loss(logits, targets, weights, prefix_targets, prefix_weight, grad_scale, grad_s=1.0, cap=23.0, offset=5.0,
+                spread=7.5):
+    """The fused CUDA kernel of the records from 2026-04-04 (ce_fwd_bwd_kernel, with the prefix term from 2026-07-13)
+    written out row by row, each row as its block computes it, in float32 (its scalars float32 as it casts them; torch's
+    tanh, exp and log for its fast-math ones): s = 0.5 + tanh(u / 2) / 2 at u = x inv_C + B_div_C (inv_C = 1 / C,
+    B_div_C = B inv_C), stored in the logits' dtype; the row's max of A s before that rounding, the sum of exp(A s -
+    max), lse = max + log(sum); the loss the sum, in order, of w_k (lse - A s[target_(r+k)]) where r + k < T, then
+    prefix_weight (lse - A s[prefix]) where the prefix is not -1. S_w: the prefix weight where valid, then every w_k.
+    Every column's gradient ((g (1 / C A)) (1 / grad_s)) (S_w exp(A s - lse) - term2) s (1 - s), left to right, term2
+    0 but at the targets, each thread's (the k within the sequence, then the prefix) the weights aiming there in the
+    same order. Returns the losses and the float32 gradient before its rounding (to e5m2: satfinite)."""
     T, V, n = targets.numel(), logits.size(1), weights.numel()
     one = torch.tensor(1.0)
-    inv_C = one / spread
-    B_div_C, inv_C_A, inv_grad_s = offset * inv_C, inv_C * cap, one / torch.tensor(grad_s)
+    A, B, C, grad_scale, grad_s = (torch.tensor(value) for value in (cap, offset, spread, grad_scale, grad_s))
+    prefix_weight = prefix_weight.reshape(())
+    inv_C = one / C
+    B_div_C = B * inv_C
     losses, grads = torch.zeros(T), torch.zeros(T, V)
-    blocks = -(-V // block)
     for r in range(T):
-        s = 1 / (1 + torch.exp(-(logits[r].float() * inv_C + B_div_C)))
-        z = cap * s
-        padded = torch.cat([z, z.new_full((blocks * block - V,), float("-inf"))])
-        max_val, sum_exp = torch.tensor(float("-inf")), torch.tensor(0.0)
-        for b in range(blocks):
-            columns = padded[b * block:(b + 1) * block]
-            new_max = torch.maximum(max_val, columns.max())
-            sum_exp = sum_exp * torch.exp(max_val - new_max) + torch.exp(columns - new_max).sum()
-            max_val = new_max
-        lse = max_val + torch.log(sum_exp)
-        loss, weight_sum, term2 = torch.zeros(()), torch.zeros(()), torch.zeros(V)
+        sigmoid = 0.5 + torch.tanh((logits[r].float() * inv_C + B_div_C) * 0.5) * 0.5
+        stored = sigmoid.to(logits.dtype).float()
+        block_max = (A * sigmoid).max()
+        lse = block_max + torch.log(torch.exp(A * stored - block_max).sum())
+        prefix = int(prefix_targets[r])
+        prefix_valid = prefix >= 0
+        total = torch.tensor(0.0)
         for k in range(n):
             if r + k < T:
-                loss = loss + weights[k] * (lse - z[targets[r + k]])
-                weight_sum = weight_sum + weights[k]
-                term2[targets[r + k]] += weights[k]
-        losses[r] = loss
-        grads[r] = grad[r] * inv_grad_s * inv_C_A * (weight_sum * torch.exp(z - lse) - term2) * s * (1 - s)
+                total = total + weights[k] * (lse - A * stored[targets[r + k]])
+        if prefix_valid:
+            total = total + prefix_weight * (lse - A * stored[prefix])
+        losses[r] = total
+        S_w = prefix_weight if prefix_valid else torch.tensor(0.0)
+        for k in range(n):
+            S_w = S_w + weights[k]
+        factor = grad_scale * (one / C * A) * (one / grad_s)
+        grads[r] = factor * (S_w * torch.exp(A * stored - lse) - 0.0) * stored * (1.0 - stored)
+        for thread in range(n + 1):
+            if thread < n:
+                valid = r + thread < T
+                target = int(targets[r + thread]) if valid else -1
+            else:
+                target, valid = prefix, prefix_valid
+            if valid:
+                s_at = stored[target]
+                term2 = torch.tensor(0.0)
+                for k in range(n):
+                    if r + k < T and targets[r + k] == target:
+                        term2 = term2 + weights[k]
+                if prefix_valid and prefix == target:
+                    term2 = term2 + prefix_weight
+                grads[r, target] = factor * (S_w * torch.exp(A * s_at - lse) - term2) * s_at * (1.0 - s_at)
     return losses, grads
 
 
 def loss_case_targets(g, T, V):
     """T random targets below V, some coinciding across the next three: the same column for k = 0, 1, 2 in row 7, for
-    k = 0 and 2 (not 1) in row 15, and for the two k left in row T - 2, near the end."""
+    k = 0 and 2 (not 1) in row 15, and for the two k left in row T - 2, near the end; and prefix targets, most random,
+    -1 (none) in rows 0, 11 and 20, some on those columns: in row 7 (all three k's), row 15 (k = 0 and 2), row 3 (k =
+    1), row T - 2 (the k = 0 and 1 of the row's two) and row T - 1 (its one k)."""
     targets = torch.randint(0, V, (T,), generator=g)
     targets[7] = targets[8] = targets[9]
     targets[15] = targets[17]
     targets[T - 2] = targets[T - 1]
     assert targets[16] != targets[15]
-    return targets
+    prefixes = torch.randint(0, V, (T,), generator=g)
+    prefixes[[0, 11, 20]] = -1
+    prefixes[7], prefixes[15], prefixes[3] = targets[7], targets[15], targets[4]
+    prefixes[T - 2] = prefixes[T - 1] = targets[T - 1]
+    return targets, prefixes
 
 
-def test_the_training_loss_is_the_records_fused_cross_entropy():
-    """SoftcappedLoss without FP8 against the 2026-03-22 record's kernels written out (records_fused_loss), 50304
-    columns (25 blocks, the last partly padding), 29 rows, with three predictions (loss_case_targets: targets that
-    coincide across k, so the weights aimed at one column add, also in a row near the end, where fewer targets lie
-    ahead) and with one. x = I and w = the bf16 raw logits transposed, so that the logits are exactly w^T and their
-    gradient exactly grad_w^T: the per-row losses and that gradient, rounded once to bf16 from float32, equal to the
-    bit, and grad_x = g w. Against a float64 loop of the same formula: the loss within its float32 roundings (each
-    softcapped logit within (2 EXP_ULPS + 4) u of cap: its argument's products and sum move it by under 2 u, exp's ulps,
-    the sum, the division and the product by cap the rest; the V-term sum and each block's rescale (an exp and two
-    roundings), the exp and log, each term's difference and product, the k terms' sum), the gradient within its one
-    bf16 rounding and 64 float32 ones of its terms' magnitudes. Controls, each giving other losses: counting the terms
-    past the end (against padding targets), torch's logsumexp, the 2026-02-03 record's blocks of 1024 columns and
-    its softcap argument (x + B) / C."""
+LOSS_CASE_WEIGHTS = (torch.tensor([1.0, 0.5, 0.1875]), torch.tensor([1.0]))  # a stage-1 fade's, and the last stages'
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_training_loss_is_the_fused_kernel_s(dtype):
+    """SoftcappedLoss without FP8 against the fused kernel written out (kernel_loss), bf16 logits (the records') and
+    float32 (the CPU's float32 runs: s kept in float32), 50304 columns, 29 rows, three predictions and one, each with
+    the prefix term (prefix targets on the predictions' columns, and none in some rows: loss_case_targets) and without
+    it, grad_scale 1/8. x = I and w = the raw logits transposed, so that the logits are exactly w^T and their gradient
+    exactly grad_w^T: the per-row losses and that gradient, rounded once to the logits' dtype, equal to the bit, and
+    grad_x = g w. A prefix weight of 0 gives the losses and gradients without the term, to the bit. Control: the
+    sigmoid in its exp form gives another s."""
     g = torch.Generator().manual_seed(0)
     T, V = 29, 50304
-    logits = (torch.randn(T, V, generator=g) * 4).bfloat16()
-    targets = loss_case_targets(g, T, V)
-    z = train_gpt.kernel_softcap(logits, 23.0, 5.0)[0]
-    assert not torch.equal(train_gpt.blockwise_logsumexp(z), torch.logsumexp(z, -1))  # the blocks' order shows
-    upstream = torch.rand(T, generator=g) + 0.5
-    u = UNIT_ROUNDOFF[torch.float32]
-    for weights in (torch.tensor([1.0, 0.5, 0.1875]), torch.tensor([1.0])):
-        x, w = torch.eye(T, dtype=torch.bfloat16).requires_grad_(), logits.T.contiguous().requires_grad_()
-        losses = train_gpt.SoftcappedLoss.apply(x, w, targets, weights, 23.0, 5.0, None)
-        losses.backward(upstream)
-        by_hand, by_hand_grad = records_fused_loss(logits, targets, weights, upstream)
-        by_hand_grad = by_hand_grad.bfloat16()
-        assert torch.equal(losses, by_hand) and torch.equal(w.grad.T, by_hand_grad), weights
-        assert torch.equal(x.grad, by_hand_grad.mm(logits.T))
-        exact_logits = logits.double().requires_grad_()
-        blocks = -(-V // train_gpt.LOSS_BLOCK)  # each block's rescale: an exp and two roundings
-        z = 23 * torch.sigmoid((exact_logits + 5) / 7.5)
-        lse = torch.logsumexp(z, -1)
-        n = weights.numel()
-        exact = torch.stack([sum(weights[k].double() * (lse[r] - z[r, targets[r + k]]) for k in range(n) if r + k < T)
-                             for r in range(T)])
-        (exact * upstream.double()).sum().backward()
-        per_logit = (2 * EXP_ULPS + 4) * u * 23
-        lse_error = per_logit + gamma(V) + blocks * (EXP_ULPS + 2) * u + (2 * EXP_ULPS + 1) * u * lse.detach().abs()
-        terms = (lse.detach()[:, None] - z.detach()).abs().amax(-1)
-        loss_bound = n * (lse_error + per_logit + 2 * u * terms) + gamma(n) * n * terms
-        assert_within(losses, exact.detach(), loss_bound, f"{n} predictions")
-        magnitude = upstream.double()[:, None] * n * (23 / 7.5) * 0.25  # |g| S_w max|dz/dx|: a bound of each entry
-        grad_bound = UNIT_ROUNDOFF[torch.bfloat16] * exact_logits.grad.abs() + 64 * u * magnitude
-        assert_within(w.grad.T, exact_logits.grad, grad_bound, f"{n} predictions' gradient")
-    weights = torch.tensor([1.0, 0.5, 0.1875])
-    kept = train_gpt.SoftcappedLoss.apply(torch.eye(T, dtype=torch.bfloat16), logits.T, targets, weights, 23.0, 5.0)
-    counted = records_fused_loss(torch.cat([logits, logits[:2]]), torch.cat([targets, targets.new_zeros(2)]), weights,
-                                 torch.ones(T + 2))[0][:T]
-    assert torch.equal(kept[:T - 2], counted[:T - 2]) and not torch.equal(kept[T - 2:], counted[T - 2:])
-    assert not torch.equal(kept, records_fused_loss(logits, targets, weights, upstream, block=1024)[0])
-    earlier_softcap = 23 * (1 / (1 + torch.exp(-((logits.float() + 5) / 7.5))))
-    assert not torch.equal(train_gpt.kernel_softcap(logits, 23.0, 5.0)[0], earlier_softcap)
+    logits = (torch.randn(T, V, generator=g) * 4).to(dtype)
+    targets, prefixes = loss_case_targets(g, T, V)
+    none, prefix_weight = torch.full((T,), -1), torch.tensor(0.1875)
+    for weights in LOSS_CASE_WEIGHTS:
+        results = {}
+        for name, prefix_targets, pw in (("prefix", prefixes, prefix_weight), ("weight 0", prefixes, torch.tensor(0.0)),
+                                         ("none", None, None)):
+            x, w = torch.eye(T, dtype=dtype).requires_grad_(), logits.T.contiguous().requires_grad_()
+            losses = train_gpt.SoftcappedLoss.apply(x, w, targets, weights, 23.0, 5.0, None, prefix_targets, pw)
+            (losses.sum() * 0.125).backward()
+            by_hand, by_hand_grad = kernel_loss(logits, targets, weights, none if pw is None else prefix_targets,
+                                                torch.tensor(0.0) if pw is None else pw, 0.125)
+            by_hand_grad = by_hand_grad.to(dtype)
+            assert torch.equal(losses, by_hand) and torch.equal(w.grad.T, by_hand_grad), (name, weights)
+            assert torch.equal(x.grad, by_hand_grad.mm(w.detach()))
+            results[name] = (losses.detach(), w.grad)
+        assert all(torch.equal(a, b) for a, b in zip(results["weight 0"], results["none"]))
+        assert not torch.equal(results["prefix"][0], results["none"][0])
+    u = logits.float() * train_gpt.INV_SPREAD + 5 * train_gpt.INV_SPREAD
+    assert not torch.equal(train_gpt.kernel_sigmoid(logits, 5.0), torch.sigmoid(u))
 
 
-def test_the_fp8_training_loss_is_the_records_fused_cross_entropy(monkeypatch):
-    """SoftcappedLoss with the record's FP8 scales against the 2026-03-22 record's FusedSoftcappedCrossEntropy written
+@pytest.mark.parametrize("grad_s", [0.125 * 0.75 / 448, 2.0 ** -20])
+def test_the_fp8_training_loss_is_the_fused_kernel_s(grad_s, monkeypatch):
+    """SoftcappedLoss with the record's FP8 x and w scales against the record's FusedSoftcappedCrossEntropy written
     out: its forward's e4m3 copies of x / x_s and of the lm_head weight / w_s (which it stores (model_dim, vocab)) and
-    its bf16 logits by _scaled_mm, called as it calls it; its kernels (records_fused_loss, with grad_s) on 29 rows of
-    normed x and 50304 columns of an lm_head spanning the FP8 range, three predictions, targets as in the test above
-    (loss_case_targets); the gradient's e5m2 codes rounded once, from float32; its backward's grad_x (bf16) and grad_w
-    (float32, then the bf16 weight's, as autograd rounds the record's) by _scaled_mm from those codes and the e4m3
-    copies, as it calls it. The losses, the codes SoftcappedLoss hands fp8_mm_backward, grad_x and grad_w: equal to the
-    bit. The codes made through bf16 (the float32 gradient rounded to bf16, then to e5m2) differ on some entries."""
+    its bf16 logits by _scaled_mm, called as it calls it; its kernel (kernel_loss, grad_scale 1/8 and grad_s, the
+    record's at 1 GPU, and one so small that entries pass e5m2's largest, which the kernel's conversion saturates to)
+    on 29 rows of normed x and 50304 columns of an lm_head spanning the FP8 range, three predictions and the prefix
+    term (loss_case_targets); its backward's grad_x (bf16) and grad_w (float32, then the bf16 weight's, as autograd
+    rounds the record's) by _scaled_mm from the e5m2 codes and the e4m3 copies, as it calls it. The losses, the codes
+    SoftcappedLoss hands fp8_mm_backward, grad_x and grad_w: equal to the bit."""
     g = torch.Generator().manual_seed(1)
     T, V, D = 29, 50304, 32
     x = train_gpt.norm(torch.randn(T, D, generator=g)).bfloat16()
     w = (torch.rand(V, D, generator=g) * 1.75 - 0.875).bfloat16()
-    targets = loss_case_targets(g, T, V)
-    weights, upstream = torch.tensor([1.0, 0.5, 0.1875]), torch.rand(T, generator=g) + 0.5
-    x_s, w_s, grad_s = scales = train_gpt.LM_HEAD_FP8_SCALES
+    targets, prefixes = loss_case_targets(g, T, V)
+    weights, prefix_weight = LOSS_CASE_WEIGHTS[0], torch.tensor([0.25])  # the record's shape (1,)
+    x_s, w_s = train_gpt.LM_HEAD_FP8_SCALES[:2]
+    scales = (x_s, w_s, grad_s)
     handed = []
     fp8_mm_backward = train_gpt.fp8_mm_backward
     monkeypatch.setattr(train_gpt, "fp8_mm_backward",
                         lambda g_f8, *args: handed.append(g_f8) or fp8_mm_backward(g_f8, *args))
     xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-    losses = train_gpt.SoftcappedLoss.apply(xi, wi, targets, weights, 23.0, 5.0, scales)
-    losses.backward(upstream)
+    losses = train_gpt.SoftcappedLoss.apply(xi, wi, targets, weights, 23.0, 5.0, scales, prefixes, prefix_weight)
+    (losses.sum() * 0.125).backward()
     # the record's forward, its lm_head weight stored (model_dim, vocab)
     lm_head_weight = w.T.contiguous()
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
@@ -1378,8 +1387,10 @@ def test_the_fp8_training_loss_is_the_records_fused_cross_entropy(monkeypatch):
     logits = torch._scaled_mm(x_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=True,
                               scale_a=x.new_tensor(x_s, dtype=torch.float32),
                               scale_b=x.new_tensor(w_s, dtype=torch.float32))
-    by_hand, grad32 = records_fused_loss(logits, targets, weights, upstream, grad_s)
-    grad_input = grad32.to(torch.float8_e5m2)
+    by_hand, grad32 = kernel_loss(logits, targets, weights, prefixes, prefix_weight, 0.125, grad_s)
+    e5m2_max = torch.finfo(torch.float8_e5m2).max
+    grad_input = grad32.clamp(-e5m2_max, e5m2_max).to(torch.float8_e5m2)  # cvt.rn.satfinite
+    assert (grad32.abs().max() > e5m2_max) == (grad_s < 2 ** -19)
     # the record's backward
     x_scale, w_scale, grad_scale = (torch.tensor(scale, dtype=torch.float32) for scale in scales)
     grad_x = torch._scaled_mm(grad_input, w_f8.T, out_dtype=torch.bfloat16, scale_a=grad_scale, scale_b=w_scale,
@@ -1389,25 +1400,123 @@ def test_the_fp8_training_loss_is_the_records_fused_cross_entropy(monkeypatch):
     assert torch.equal(losses.detach(), by_hand)
     assert len(handed) == 1 and torch.equal(handed[0].view(torch.uint8), grad_input.view(torch.uint8))
     assert torch.equal(xi.grad, grad_x) and torch.equal(wi.grad, grad_w.T.bfloat16())
-    through_bf16 = grad32.bfloat16().to(torch.float8_e5m2)
-    assert not torch.equal(through_bf16.view(torch.uint8), grad_input.view(torch.uint8))
 
 
-def test_training_with_multi_token_weights_takes_the_records_loss():
-    """The model's training loss with mtp_weights is SoftcappedLoss's sum over its normed final stream and the
-    lm_head's weight with those weights, to the bit; None is the next token's alone (weights (1,)), the summed
-    cross-entropy of the float32 softcap of the raw logits within float32's rounding."""
+def test_the_bf16_training_loss_is_the_float64_loss_within_s_s_rounding():
+    """SoftcappedLoss on bf16 logits (three predictions and the prefix term, loss_case_targets) against float64: the
+    exact loss, and the kernel's gradient, that of the loss plus each row's multi-token weights past the end times its
+    log-sum-exp (its softmax part counts them), both within a bound derived from the arithmetic, s's rounding to bf16
+    (u_b) above all: s within e = u_b s + du / 4 + (EXP_ULPS + 1) u of the exact sigmoid (u's error du = 3 u (|x| + 5)
+    / 7.5: 1 / 7.5, B / 7.5 and u's two roundings; tanh within EXP_ULPS ulps and of slope <= 1 at u / 2; the sum with
+    0.5), each A s within A e + u A s; the log-sum-exp within the largest of those (it is 1-Lipschitz in its terms)
+    plus float32's: the differences (u A), exp (2 EXP_ULPS u), the V-term sum, log and its sum with the max. A row: each
+    term's difference and product, and their sum. The gradient: g (A / 7.5) (S_w p - a) s (1 - s) with p within a
+    factor exp(+-dp) (dp: the target's and the log-sum-exp's errors, exp's) and s (1 - s) within e |1 - 2 s| + e^2,
+    taken whole (bf16's errors are too large to drop their products), eight float32 roundings of the products, then
+    its rounding to bf16. The gradient of the loss alone lies outside that bound in the last row."""
+    g = torch.Generator().manual_seed(2)
+    T, V, cap, spread = 29, 50304, 23.0, 7.5
+    logits = (torch.randn(T, V, generator=g) * 4).bfloat16()
+    targets, prefixes = loss_case_targets(g, T, V)
+    weights, prefix_weight = LOSS_CASE_WEIGHTS[0], torch.tensor(0.25)
+    w = logits.T.contiguous().requires_grad_()
+    losses = train_gpt.SoftcappedLoss.apply(torch.eye(T, dtype=torch.bfloat16), w, targets, weights, cap, 5.0, None,
+                                            prefixes, prefix_weight)
+    losses.sum().backward()
+    u, u_b = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.bfloat16]
+    x = logits.double().requires_grad_()
+    s = torch.sigmoid((x + 5) / spread)
+    z = cap * s
+    lse = torch.logsumexp(z, -1)
+    columns, valid, term_weights = [], [], []
+    for k in range(weights.numel()):
+        rows = torch.arange(T) + k
+        columns.append(targets[rows.clamp_max(T - 1)])
+        valid.append(rows < T)
+        term_weights.append(weights[k].double().expand(T))
+    columns.append(prefixes.clamp_min(0))
+    valid.append(prefixes >= 0)
+    term_weights.append(prefix_weight.double().expand(T))
+    columns, valid, term_weights = (torch.stack(t, 1) for t in (columns, valid, term_weights))
+    term_weights = term_weights * valid
+    terms = lse[:, None] - z.gather(1, columns)
+    exact = (term_weights * terms).sum(1)
+    past_end = (weights.double() * ~valid[:, :weights.numel()]).sum(1)  # weights of targets past the end
+    (exact + past_end * lse).sum().backward()
+    s, z, lse, terms = s.detach(), z.detach(), lse.detach(), terms.detach()
+    e = u_b * s + 3 * u * (x.detach().abs() + 5) / spread / 4 + (EXP_ULPS + 1) * u
+    z_error = cap * e + u * z
+    lse_error = (z_error.amax(1) + u * cap + 2 * EXP_ULPS * u + gamma(V) + 2 * EXP_ULPS * u * lse.abs()
+                 + u * lse.abs())
+    term_error = lse_error[:, None] + z_error.gather(1, columns) + u * terms.abs()
+    bound = (term_weights * (term_error + u * terms.abs())).sum(1) + gamma(4) * (term_weights * terms.abs()).sum(1)
+    assert_within(losses, exact.detach(), bound, "losses", gamma(V))
+    p = torch.exp(z - lse[:, None])
+    weight_sum = (weights.sum() + prefix_weight * (prefixes >= 0)).double()[:, None]
+    aimed = torch.zeros(T, V, dtype=torch.float64).scatter_add_(1, columns, term_weights)
+    p_spread = torch.expm1(z_error + lse_error[:, None] + u * lse[:, None] + 2 * EXP_ULPS * u)
+    slope_error = e * (1 - 2 * s).abs() + e ** 2
+    before = (cap / spread) * (weight_sum * p * p_spread * (s * (1 - s) + slope_error)
+                               + (weight_sum * p - aimed).abs() * slope_error) + 8 * u * x.grad.abs()
+    grad_bound = before + u_b * (x.grad.abs() + before)
+    assert_within(w.grad.T, x.grad, grad_bound, "gradient", gamma(V))
+    exact_lse = torch.logsumexp(cap * torch.sigmoid((x + 5) / spread), -1)
+    loss_alone = torch.autograd.grad(
+        ((exact_lse[:, None] - cap * torch.sigmoid((x + 5) / spread).gather(1, columns)) * term_weights).sum(), x)[0]
+    assert ((w.grad.T.double() - loss_alone).abs() > grad_bound)[T - 1].any()
+
+
+def test_the_prefix_table_is_each_tokens_longest_prefix_token(gpt2_ranks_file):
+    """prefix_table over the GPT-2 ranks (run_support.gpt2_ranks) against the record's algorithm written out: the
+    tokens' bytes in sorted order, a stack of the tokens that are prefixes of the current one (every proper prefix
+    sorts before its extensions, and so do the strings between them); -1 for EOT, the padding and tokens without one.
+    Its sha256 over the int64 bytes is the record's table's. For a table of 1024 (a vocabulary of 1000, padded): the
+    same over the ranks below 1024."""
+    ranks = run_support.gpt2_ranks({"GPT2_TIKTOKEN_FILE": str(gpt2_ranks_file)})
+
+    def by_stack(ranks, size):
+        table, stack = [-1] * size, []
+        for token, i in sorted(ranks.items()):
+            while stack and not token.startswith(stack[-1][0]):
+                stack.pop()
+            if stack:
+                table[i] = stack[-1][1]
+            stack.append((token, i))
+        return table
+
+    table = train_gpt.prefix_table(ranks, 50304)
+    assert table.dtype == torch.int64 and table.tolist() == by_stack(ranks, 50304)
+    assert (hashlib.sha256(table.numpy().tobytes()).hexdigest()
+            == "05f2e6adcf3c87e2415b6f6590239f7fc324a13a2aa82c6323bff1bd4a9df136")
+    assert table[50256:].eq(-1).all() and (table >= 0).sum() == 50000
+    assert table[ranks[b" the"]] == ranks[b" th"] and table[ranks[b"a"]] == -1
+    small = {token: i for token, i in ranks.items() if i < 1024}
+    assert train_gpt.prefix_table(ranks, 1024).tolist() == by_stack(small, 1024)
+
+
+def test_training_takes_the_loss_with_the_multi_token_and_prefix_weights():
+    """The model's training loss with mtp_weights and prefix_weight is SoftcappedLoss's sum over its normed final stream
+    and the lm_head's weight with those weights and the prefix table's entries of the targets, to the bit; None is the
+    next token's alone (weights (1,)) without the prefix term, the summed cross-entropy of the float32 softcap of the
+    raw logits within float32's rounding; the table a model starts with (-1: no prefix) gives the loss without it."""
     model = randomize_(records_structure_gpt())
     model.train()
     tokens, targets = documents()
-    weights = torch.tensor([1.0, 0.5, 0.2])
+    weights, prefix_weight = torch.tensor([1.0, 0.5, 0.2]), torch.tensor(0.25)
     xn = train_gpt.norm(model.trunk(tokens, 2)).view(T, -1)
+    without = train_gpt.SoftcappedLoss.apply(xn, model.lm_head.weight, targets, weights, model.logit_cap,
+                                             model.logit_offset).sum()
+    assert model.prefix_table.eq(-1).all() and "prefix_table" not in model.state_dict()
+    assert torch.equal(model(tokens, targets, 2, None, weights, prefix_weight), without)
+    torch.manual_seed(3)
+    model.prefix_table.copy_(torch.randint(-1, VOCAB, model.prefix_table.shape))
     loss = train_gpt.SoftcappedLoss.apply(xn, model.lm_head.weight, targets, weights, model.logit_cap,
-                                          model.logit_offset).sum()
-    assert torch.equal(model(tokens, targets, 2, None, weights), loss)
+                                          model.logit_offset, None, model.prefix_table[targets], prefix_weight).sum()
+    assert torch.equal(model(tokens, targets, 2, None, weights, prefix_weight), loss) and not torch.equal(loss, without)
+    assert torch.equal(model(tokens, targets, 2, None, weights), without)
     one = train_gpt.SoftcappedLoss.apply(xn, model.lm_head.weight, targets, torch.ones(1), model.logit_cap,
                                          model.logit_offset).sum()
-    assert torch.equal(model(tokens, targets, 2), one) and not torch.equal(one, loss)
+    assert torch.equal(model(tokens, targets, 2), one) and not torch.equal(one, without)
     logits = torch.nn.functional.linear(xn, model.lm_head.weight)
     plain = torch.nn.functional.cross_entropy(train_gpt.softcap(logits), targets, reduction="sum")
     assert abs(one.item() - plain.item()) <= gamma(T + 60) * plain.item()

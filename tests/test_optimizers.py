@@ -488,6 +488,28 @@ def test_the_records_schedules_at_every_step():
                                                (49152, 13, 1): 1440}
 
 
+HEADS_PREFIX_WEIGHTS = [(0.25, 0.25), (0.25, 0.0), (0.0, 0.0), (0.0, 0.0)]  # (start, end) of each of its stages
+
+
+def test_the_prefix_weight_at_every_step_of_the_1285_step_schedule():
+    """The prefix token's weight (records from 2026-07-13) at every step of upstream HEAD's 1270 scheduled steps and
+    15 more, and the validation's 1285, against its TrainingSchedule written out: its stages and the fraction t of
+    each gone as RecordsTrainingSchedule finds them (the same code), start + (end - start) t of the stage's
+    HEADS_PREFIX_WEIGHTS, then rounded to float32 as its torch.tensor([pw]) makes it: equal. 0.25 flat over [0, 423),
+    fading over [423, 847), 0 after."""
+    args = dataclasses.replace(RECORD, num_iterations=1285, extension_steps=15)
+    head = RecordsTrainingSchedule(1270, 15)
+    assert head.boundaries == [(0, 423), (423, 847), (847, 1270), (1270, 1285)]
+    weights = []
+    for step in range(1286):
+        stage, t = head.lookup(step)
+        start, end = HEADS_PREFIX_WEIGHTS[head.STAGES.index(stage)]
+        weights.append(train_gpt.prefix_weight_at(step, args))
+        assert weights[-1] == torch.tensor([start + (end - start) * t]).item(), step
+    assert train_gpt.PREFIX_WEIGHT == 0.25 and set(weights[:423]) == {0.25} and set(weights[847:]) == {0.0}
+    assert all(a > b for a, b in itertools.pairwise(weights[423:848]))
+
+
 @pytest.mark.parametrize("scheduled", [400, 31])
 def test_mtp_weights_fade_within_each_part(scheduled):
     """Other run lengths: in part k of the n = 3 (steps round(k S / 3) to round((k + 1) S / 3) - 1), the first n - k

@@ -107,13 +107,15 @@ def muon_step_by_hand(adam, muon, step, args):
 def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
     """Adam every ADAM_EVERY = 2 steps, in one process without buckets: after step 0 Adam's parameters have not moved
     and Muon's have; after step 1 every parameter equals a run of the same optimizers by hand, Muon stepping each step
-    on that step's gradient (multi-token weights and all) and Adam once, on step 0's gradient plus step 1's, added
-    here (one micro-step a step: autograd adds them in that one operation too), the tied embedding's sum joining the
-    lm_head's and the embedding taking the lm_head's new values."""
+    on that step's gradient (multi-token and prefix token's weights and all, a prefix table given) and Adam once, on
+    step 0's gradient plus step 1's, added here (one micro-step a step: autograd adds them in that one operation too),
+    the tied embedding's sum joining the lm_head's and the embedding taking the lm_head's new values."""
     assert train_gpt.ADAM_EVERY == 2
     args, _ = train_gpt.parse_args([*TINY_RUN, "--batch_slots=1", "--num_iterations=100"], "cpu")
     plan = train_gpt.plan_device(args, torch.device("cpu"))
-    trainer = train_gpt.Trainer(args, 0, 1, plan)
+    table = torch.randint(-1, TINY_VOCAB, (1024,), generator=torch.Generator().manual_seed(1))
+    trainer = train_gpt.Trainer(args, 0, 1, plan, table)
+    assert torch.equal(trainer.model.prefix_table, table) and trainer.prefix_weights[0].item() == 0.25
     model = copy.deepcopy(trainer.model)
     adam, muon = train_gpt.build_optimizers(model, args, plan=plan)
     adam.idle = {model.embed.weight}  # tied until long after step 1
@@ -125,7 +127,7 @@ def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
     for step, batch in enumerate(batches):
         trainer.train_step(step, batch)
         # the first window stage's, times the record's grad_scale 1 / (1 micro-step)
-        (model(*batch[0], trainer.window, None, trainer.mtp_weights[step]) * 1.0).backward()
+        (model(*batch[0], trainer.window, None, trainer.mtp_weights[step], trainer.prefix_weights[step]) * 1.0).backward()
         for p in adam_params:
             summed[p] = p.grad.clone() if step == 0 else summed[p] + p.grad
             p.grad = None
@@ -163,7 +165,8 @@ def test_a_tied_embedding_joins_the_lm_heads_gradient_on_adams_step_by_hand():
     for step, batch in enumerate(batches):
         trainer.train_step(step, batch)
         for inputs, targets in batch:
-            (model(inputs, targets, trainer.window, None, trainer.mtp_weights[step]) * (1 / 2)).backward()  # 1 / micro-steps
+            loss = model(inputs, targets, trainer.window, None, trainer.mtp_weights[step], trainer.prefix_weights[step])
+            (loss * (1 / 2)).backward()  # 1 / micro-steps
         muon_step_by_hand(adam, muon, step, args)
     model.lm_head.weight.grad.add_(model.embed.weight.grad)
     adam.step()
@@ -179,9 +182,9 @@ def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, 
     calls = []
     forward = train_gpt.GPT.forward
 
-    def recorded(self, input_seq, target_seq, window, long_window=None, mtp_weights=None):
+    def recorded(self, input_seq, target_seq, window, long_window=None, mtp_weights=None, prefix_weight=None):
         calls.append((self.training, window, long_window))
-        return forward(self, input_seq, target_seq, window, long_window, mtp_weights)
+        return forward(self, input_seq, target_seq, window, long_window, mtp_weights, prefix_weight)
 
     monkeypatch.setattr(train_gpt.GPT, "forward", recorded)
     run(tiny_shards, tmp_path, "--num_iterations=4", "--val_loss_every=2", "--window_stages=2,4", "--final_window=8",
@@ -190,6 +193,32 @@ def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, 
     sequences = 1024 // 128  # TINY_RUN's val_tokens over its val_seq_len
     assert validations == [(2, None)] * sequences + [(4, None)] * sequences + [(8, 16)] * sequences  # steps 0, 2, 4
     assert all(long_window is None for training, _, long_window in calls if training)
+
+
+def test_a_run_trains_with_the_gpt2_ranks_prefix_table_and_each_steps_weight(tiny_shards, tmp_path, monkeypatch,
+                                                                            gpt2_ranks_file):
+    """main gives the model prefix_table() of the GPT-2 ranks (run_support.gpt2_ranks: the file GPT2_TIKTOKEN_FILE
+    names) over the padded vocabulary before the first step, and each step prefix_weight_at's weight as a float32
+    device tensor made once. Without the ranks the run stops before it writes anything, naming the file."""
+    seen, original = [], train_gpt.Trainer.train_step
+
+    def recorded(self, step, batch):
+        seen.append((step, self.model.prefix_table.clone(), self.prefix_weights[step]))
+        return original(self, step, batch)
+
+    monkeypatch.setattr(train_gpt.Trainer, "train_step", recorded)
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(gpt2_ranks_file))
+    run(tiny_shards, tmp_path, "--num_iterations=6", "--val_loss_every=0")
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--num_iterations=6"], "cpu")
+    table = train_gpt.prefix_table(support.gpt2_ranks(), 1024)
+    assert [step for step, _, _ in seen] == list(range(6)) and all(torch.equal(t, table) for _, t, _ in seen)
+    assert all(w.dtype == torch.float32 and w.shape == () and w.item() == train_gpt.prefix_weight_at(step, args)
+               for step, _, w in seen)
+    assert [w.item() for _, _, w in seen] == [0.25, 0.25, 0.25, 0.125, 0.0, 0.0]
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "missing.tiktoken"))
+    with pytest.raises(support.ConfigError, match=r"^GPT-2 ranks GPT2_TIKTOKEN_FILE=.*missing.tiktoken: No such file"):
+        run(tiny_shards, tmp_path / "without")
+    assert not (tmp_path / "without").exists()
 
 
 def test_a_run_on_an_untested_torch_warns_once_and_trains(tiny_shards, tmp_path, monkeypatch, capsys):
@@ -823,7 +852,7 @@ def test_record_preset_is_the_published_record():
     assert (train_gpt.LR_STAGE_PEAKS, train_gpt.MTP_WEIGHTS, train_gpt.UNTIE_EMBED_FRAC) == (
         (1.0, 1.52, 1.73), (1.0, 0.5, 0.25), 2 / 3)
     assert (train_gpt.MLP_DOWN_LR_MUL, train_gpt.RESIDUAL_LAMBDA_INIT, train_gpt.BIGRAM_LAMBDA_INIT) == (2.0, 1.1**0.5, 0.05)
-    assert (train_gpt.LR_FLOOR, train_gpt.LOSS_BLOCK) == (0.15, 2048)
+    assert (train_gpt.LR_FLOOR, train_gpt.PREFIX_WEIGHT) == (0.15, 0.25)
     assert (train_gpt.VE_INIT_STD, train_gpt.HEAD_INIT_STD) == (0.01, 0.005)
     assert train_gpt.ORTHOGONALIZATION_STEPS == 5  # Polar Express's
     assert train_gpt.LM_HEAD_FP8_SCALES == (100 / 448, 1.6 / 448, 0.75 / 448) and train_gpt.LOSS_SCALE == 1.0
