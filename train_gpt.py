@@ -96,8 +96,8 @@ def float32(value: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8 matmul as custom ops (the lm_head's in training, inside the loss: SoftcappedLoss): x, w in e4m3
-# forward, the gradient in e5m2 backward, each divided by the record's fixed scale.
+# FP8 in training: the lm_head's matmul as custom ops (inside the loss: SoftcappedLoss), x, w in e4m3 forward, the
+# gradient in e5m2 backward, each divided by the record's fixed scale; the MLPs' forward matmuls with scales from amaxes.
 
 LOGIT_SOFTCAP = 23.0  # logits = LOGIT_SOFTCAP * sigmoid((z + LOGIT_OFFSET) / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
 LOGIT_OFFSET = 5.0  # (records from 2025-12-26; 30 and 0 before)
@@ -136,7 +136,8 @@ def _fp8_backward(g_f8: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: flo
 @functools.cache
 def compiled_on_first_use(fn):
     """fn under torch.compile, for CUDA paths that run outside the compiled model (the FP8 scaling and
-    casts, which then fuse; the optimizers' updates; FlexAttention). Made on first use: importing stays cheap."""
+    casts, which then fuse; the MLPs' FP8 scale updates; the optimizers' updates; FlexAttention). Made on first use:
+    importing stays cheap."""
     return torch.compile(fn, dynamic=False)
 
 
@@ -165,6 +166,74 @@ def _(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
     # grad_w is the transpose of a row-major (in, out) result; the fake must have the same strides
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
             w_f8.new_empty(w_f8.shape[::-1], dtype=torch.float32).T)
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value: an FP8 scale maps a tensor's amax (times a headroom) onto it
+AMAX_FLOOR = 1e-12  # under every amax, so that an all-zero tensor's scale stays finite (the records')
+# The MLP's down-projection scales late (records from 2026-07-17): its input by 1.8 x the amax of the previous forward's,
+# its weight by 1.12 x the amax before the last optimizer step, headroom for what the step changed
+ACT_SCALE_HEADROOM = 1.8
+DOWN_WEIGHT_HEADROOM = 1.12
+DOWN_BOOTSTRAP_STEPS = 16  # the updates after steps 0..15 scale the down weight by its own amax: from zero it grows fast
+
+
+def rounded_to_bf16(x: Tensor) -> Tensor:
+    """float32 x rounded to the nearest bf16 (ties to even), kept in float32, where the records' kernels round and go
+    on in float32. Inductor drops a bfloat16 round trip inside a fused kernel: compiled, this rounds the bits."""
+    if not torch.compiler.is_compiling():
+        return x.bfloat16().float()
+    bits = x.view(torch.int32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000  # half a bf16 ulp less one, plus the lsb kept: ties to even
+    return torch.where(x.isnan(), x, bits.view(torch.float32))
+
+
+def current_scale(w: Tensor) -> Tensor:
+    """The FP8 scale of a bf16 weight from its own amax: amax (floored) / E4M3_MAX, float32, each step rounded to bf16 as
+    the records compute it on the weight (2026-05-19). A quotient of bf16 values is never near a bf16 tie, so a division
+    within a few float32 ulps rounds alike (inductor's on CUDA: a product with 1/448's float32)."""
+    amax = rounded_to_bf16(w.detach().abs().amax().float().clamp(min=AMAX_FLOOR))
+    return rounded_to_bf16(amax / E4M3_MAX)
+
+
+def headroom_scale(amax: Tensor, headroom: float) -> Tensor:
+    """A delayed FP8 scale: an earlier amax (floored) times headroom / E4M3_MAX in float32 (2026-07-17)."""
+    return amax.float().clamp(min=AMAX_FLOOR) * (headroom / E4M3_MAX)
+
+
+def scaled_product(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+    """a @ b in bf16 for e4m3 a (row-major) and b (column-major): the products summed in float32, times scale_a
+    scale_b (float32), rounded once. CUDA: _scaled_mm, with the records' fast accumulation; elsewhere the sum exact (in
+    float64: e4m3 products are multiples of 2^-18 below 2^18) for fewer than 2^17 terms, rounded once to float32."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=True)
+    return rounded_to_bf16((a.double() @ b.double()).float() * (scale_a * scale_b)).bfloat16()
+
+
+def fp8_mlp_forward(x: Tensor, w_up: Tensor, w_down: Tensor, act_scale: Tensor, down_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """post = relu(x @ w_up.T)^2 and post @ w_down in bf16 through e4m3 copies (x (N, D), the weights (4D, D) bf16) as
+    the records' kernels compute them: x scaled by its amax, w_up by its own (2026-05-19); post by act_scale, w_down by
+    down_scale, made from earlier amaxes (2026-07-17). Returns (post, output)."""
+    up_scale = current_scale(w_up)
+    w_up_f8 = rounded_to_bf16(w_up.float() / up_scale).to(torch.float8_e4m3fn)  # the quotient in bf16, as the weight's
+    x_amax = x.abs().amax().float().clamp(min=AMAX_FLOOR)
+    x_f8 = (x.float() * (E4M3_MAX / x_amax)).to(torch.float8_e4m3fn)  # as torch computes 448 / amax: 448 x (1 / amax)
+    # the record's compiled graph divides by 448 as inductor does on CUDA: times 1/448's float32
+    pre = scaled_product(x_f8, w_up_f8.T, up_scale * x_amax * (1 / E4M3_MAX), torch.ones_like(up_scale))
+    post = rounded_to_bf16(F.relu(pre.float()).square())
+    post_f8 = (post * act_scale.reciprocal()).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    w_down_f8 = (w_down.T.float() / down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous().T
+    return post.bfloat16(), scaled_product(post_f8, w_down_f8, act_scale, down_scale)
+
+
+def refresh_down_scales(weights: list[Tensor], scales: list[Tensor], next_scales: list[Tensor], bootstrap: bool):
+    """After an optimizer step, each down-projection weight (bf16) takes the scale made after the step before (bootstrap:
+    its own amax's instead) and makes the next from its amax now, headroom DOWN_WEIGHT_HEADROOM (2026-07-17)."""
+    for w, scale, next_scale in zip(weights, scales, next_scales, strict=True):
+        w = w.detach().bfloat16()
+        if bootstrap:
+            next_scale.copy_(current_scale(w))
+        scale.copy_(next_scale)
+        next_scale.copy_(headroom_scale(w.abs().amax(), DOWN_WEIGHT_HEADROOM))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -811,30 +880,81 @@ def self_value_share(y: Tensor, v: Tensor, strength: Tensor) -> Tensor:
     return torch.tanh(strength).type_as(y).view(*y.shape[:3], 1) * along * v
 
 
+def relu_squared_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor]:
+    """(relu(x @ w_up.T)^2 @ w_down, post = relu(x @ w_up.T)^2) in x's dtype."""
+    post = F.relu(F.linear(x, w_up)).square()
+    return F.linear(post, w_down.T), post
+
+
+def relu_squared_backward(grad_post: Tensor, post: Tensor) -> Tensor:
+    """The gradient of pre from post's, post = relu(pre)^2: 2 grad relu(pre), relu(pre) recovered as sqrt(post), in
+    float32, rounded once to grad_post's dtype (the records' kernel from 2026-06-11)."""
+    return (2 * grad_post.float() * post.float().sqrt()).to(grad_post.dtype)
+
+
+class ReluSquaredMLP(torch.autograd.Function):
+    """relu_squared_mlp in bf16, or with the down-projection's FP8 scales (act_scale, down_scale) through e4m3 copies
+    (fp8_mlp_forward); the backward in bf16 from x, the weights and post = relu(pre)^2, as the records' from 2026-06-11
+    (theirs saves neither pre nor an FP8 copy). Returns the output and post (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, act_scale: Tensor | None, down_scale: Tensor | None):
+        if act_scale is None:
+            out, post = relu_squared_mlp(x, w_up, w_down)
+        else:
+            post, out = fp8_mlp_forward(x.flatten(0, -2), w_up, w_down, act_scale, down_scale)
+            post, out = post.view(*x.shape[:-1], -1), out.view(x.shape)
+        ctx.save_for_backward(x, w_up, w_down, post)
+        ctx.mark_non_differentiable(post)
+        return out, post
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, _):
+        x, w_up, w_down, post = ctx.saved_tensors
+        g, post = grad_out.flatten(0, -2), post.flatten(0, -2)
+        grad_pre = relu_squared_backward(g @ w_down.T, post)
+        return (grad_pre @ w_up).view(x.shape), grad_pre.T @ x.flatten(0, -2), post.T @ g, None, None
+
+
 class MLP(nn.Module):
     """Both matrices stored (4 model_dim, model_dim) in matrix_dtype, one row per hidden unit, the down-projection
     applied transposed (the records from 2025-12-11: their draws, and NorMuon's rows); zero until GPT draws the
-    up-projection (draw_matrices)."""
+    up-projection (draw_matrices). With fp8, training runs it in bf16 through FP8 copies (ReluSquaredMLP); its
+    down-projection's scales are state, in checkpoints: act_scale, made by each such forward for the next, and down_scale
+    (next_down_scale after the next step), made by refresh_down_scales after each step. In bf16 its backward is the
+    records' from post (ReluSquaredMLP) with or without FP8."""
 
-    def __init__(self, model_dim: int, matrix_dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dim: int, matrix_dtype: torch.dtype = torch.float32, fp8: bool = False):
         super().__init__()
+        self.fp8 = fp8
         self.c_fc = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
         self.c_proj = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
+        for name in ("act_scale", "down_scale", "next_down_scale"):
+            self.register_buffer(name, torch.ones(()))
+        refresh_down_scales([self.c_proj], [self.down_scale], [self.next_down_scale], bootstrap=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
-        return F.linear(x, self.c_proj.T.type_as(x))
+        if self.fp8 and self.training:
+            out, post = ReluSquaredMLP.apply(x.bfloat16(), self.c_fc.bfloat16(), self.c_proj.bfloat16(), self.act_scale,
+                                             self.down_scale)
+            with torch.no_grad():
+                self.act_scale.copy_(headroom_scale(post.amax(), ACT_SCALE_HEADROOM))
+            return out.type_as(x)
+        w_up, w_down = self.c_fc.type_as(x), self.c_proj.type_as(x)
+        if x.dtype == torch.bfloat16:
+            return ReluSquaredMLP.apply(x, w_up, w_down, None, None)[0]
+        return relu_squared_mlp(x, w_up, w_down)[0]  # in float32, autograd's is the records' gradient: sqrt(r^2) is r
 
 
 class Block(nn.Module):
     """A layer's attention (None in the attention-free layer) and MLP; GPT.trunk wires them to the stream."""
 
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, ve_gate: bool,
-                 key_offset: bool, paired: bool, matrix_dtype: torch.dtype = torch.float32):
+                 key_offset: bool, paired: bool, matrix_dtype: torch.dtype = torch.float32, fp8: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, ve_gate, key_offset, paired, matrix_dtype)
                      if has_attention else None)
-        self.mlp = MLP(model_dim, matrix_dtype)
+        self.mlp = MLP(model_dim, matrix_dtype, fp8)
 
 
 def u_layers(num_layers: int) -> tuple[int, int]:
@@ -1114,7 +1234,7 @@ class GPTConfig:
     logit_offset: float = LOGIT_OFFSET
     dtype: torch.dtype = torch.float32  # every parameter but the scalars, and the rotary tables
     attention_backend: str = "sdpa"  # flex: FlexAttention block masks; sdpa: the same masks, dense
-    fp8: bool = False  # the lm_head's training matmul in FP8
+    fp8: bool = False  # the lm_head's and the MLPs' training matmuls in FP8
     loss_scale: float = LOSS_SCALE  # training's factor on each micro-batch's loss (loss_scale()), in FP8's grad scale too
 
 
@@ -1174,7 +1294,7 @@ class GPT(nn.Module):
         self.ve_tables = sum(t is not None for t in self.ve_layout)
         value_embeds = nn.Parameter(VE_INIT_STD * torch.randn(self.ve_tables * padded_vocab, D, dtype=c.dtype))
         blocks = nn.ModuleList(Block(D, H, c.head_dim, i != no_attention, self.ve_layout[i] is not None and i < L - 1,
-                                     self.long_window[i], self.paired[i], c.dtype)
+                                     self.long_window[i], self.paired[i], c.dtype, c.fp8)
                                for i in range(L))
         draw_matrices(blocks, D)
         smear_gate = CastedLinear(GATE_INPUTS, 1)
@@ -1324,6 +1444,14 @@ class GPT(nn.Module):
         """(T, D): each position's bigram row times its sign row (the records from 2026-05-20)."""
         rows = self.bigram_embed(bigram_ids(tokens, self.bigram_embed.num_embeddings, restarts))
         return rows * self.bigram_signs[bigram_sign_ids(tokens, restarts)]
+
+    @torch.no_grad()
+    def update_down_scales(self, bootstrap: bool):
+        """After each optimizer step (Trainer.train_step): the MLPs' down-projection weight scales (refresh_down_scales),
+        bootstrap for the first DOWN_BOOTSTRAP_STEPS steps' updates. Restoring a state restores them: they are buffers."""
+        mlps = [block.mlp for block in self.blocks]
+        refresh = compiled_on_first_use(refresh_down_scales) if mlps[0].c_proj.is_cuda else refresh_down_scales
+        refresh([m.c_proj for m in mlps], [m.down_scale for m in mlps], [m.next_down_scale for m in mlps], bootstrap)
 
     def smear(self, e: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
         """Token embeddings e (T, D) with a gated share of each one's predecessor added (the 2025-09-18 record's
@@ -1705,7 +1833,7 @@ class Hyperparameters:
     dtype: str = "bfloat16"  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 30  # steps on random tokens before training, to compile (each training shape from its first step, in turn); state restored afterwards
-    fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
+    fp8: bool = True  # FP8 lm_head and MLP matmuls in training where the GPU supports it (compute capability >= 8.9)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
     seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
@@ -1857,7 +1985,7 @@ class DevicePlan:
     device: torch.device
     dtype: str  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16 or float32
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
-    fp8: bool  # the lm_head's matmul in FP8
+    fp8: bool  # the lm_head's and the MLPs' training matmuls in FP8
     compile: bool  # torch.compile the model
     compile_optimizers: bool  # torch.compile Muon's orthogonalization and Adam's update
     pinned_memory: bool  # batches in pinned host memory, copied without blocking
@@ -1921,7 +2049,7 @@ def plan_device(args: Hyperparameters, device: torch.device, allocator: str = ""
         # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
         attention_why = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
     return dataclasses.replace(plan, lines=(
-        f"fp8 lm_head: {f'on ({fp8_why})' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
+        f"fp8 lm_head and MLPs: {f'on ({fp8_why})' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
         f"attention: {attention_why}",
         "compile: " + ("on" if compile else "off (compile=false)" if not args.compile
                        else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)"),
@@ -2267,6 +2395,7 @@ class Trainer:
         stepping = self.optimizers if adam_steps else [self.muon]
         for optimizer in stepping:
             optimizer.step()
+        self.model.update_down_scales(step < DOWN_BOOTSTRAP_STEPS)
         if step == self.untie_step:  # the input embedding goes its own way from the lm_head's values and Adam state
             self.adam.copy_state(self.model.lm_head.weight, self.model.embed.weight)
         elif self.tied and adam_steps:

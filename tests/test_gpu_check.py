@@ -25,8 +25,9 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
             line for line in proc.stdout.splitlines()[2:-1]}
     status = {name: line.split()[len(name.split())] for name, line in rows.items()}
     flex = "PASS" if check_cpu_supported() else "SKIP"  # its compiled CPU kernel needs AVX2 and a vectorized ATen
-    assert status == {"environment": "PASS", "fp8 matmul": "PASS", "flex forward": flex, "flex backward": "SKIP",
-                      "composition": "PASS", "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
+    assert status == {"environment": "PASS", "fp8 matmul": "PASS", "fp8 mlp": "PASS", "flex forward": flex,
+                      "flex backward": "SKIP", "composition": "PASS", "training steps": "SKIP", "all-reduce": "PASS"}, \
+        proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
     assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2026-04-08 record "
@@ -37,8 +38,9 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
     else:
         assert "needs AVX2 and ATEN_CPU_CAPABILITY other than default" in rows["flex forward"]
     assert "1024 tokens, 2 heads x 32, bf16, window 112: worst error" in rows["composition"]
-    assert proc.stdout.splitlines()[-1] == ("5 passed, 0 failed, 2 skipped" if flex == "PASS" else
-                                           "4 passed, 0 failed, 3 skipped")
+    assert rows["fp8 mlp"].split("PASS", 1)[1].strip().startswith("256x768 -> 3072: rel. error out ")
+    assert proc.stdout.splitlines()[-1] == ("6 passed, 0 failed, 2 skipped" if flex == "PASS" else
+                                           "5 passed, 0 failed, 3 skipped")
     assert proc.returncode == 0
 
 
@@ -64,6 +66,23 @@ def test_a_wrong_fp8_result_fails(monkeypatch):
     monkeypatch.setattr(train_gpt, "fp8_mm", lambda x, w, *scales: (real(x, w, *scales)[0] * 1.2, *real(x, w, *scales)[1:]))
     with pytest.raises(AssertionError, match=r"relative error out 0\.2"):
         gpu_check.check_fp8(torch.device("cpu"), 64, 64, 256)
+
+
+def test_the_fp8_mlp_errs_as_e4m3_s_roundings_predict():
+    """The fp8 mlp check's figures: each relative error within 10% of what fp8_mlp_expected_errors derives (the errors
+    of many roundings concentrate), so its limits, FP8_MLP_MARGIN x those, stand well clear of a passing run."""
+    summary = gpu_check.check_fp8_mlp(torch.device("cpu"), 256, 256)
+    errors = [float(e) for e in re.findall(r"(?:out|grad x|grad w_up|grad w_down) (\d\.\d+)", summary)]
+    predicted = gpu_check.fp8_mlp_expected_errors()
+    assert len(errors) == 4 and all(abs(e - p) <= 0.1 * p for e, p in zip(errors, predicted)), summary
+
+
+def test_a_wrong_fp8_mlp_result_fails(monkeypatch):
+    """An output 20% off fails the fp8 mlp check."""
+    real = train_gpt.fp8_mlp_forward
+    monkeypatch.setattr(train_gpt, "fp8_mlp_forward", lambda *args: (real(*args)[0], real(*args)[1] * 1.2))
+    with pytest.raises(AssertionError, match=r"relative error out 0\.2"):
+        gpu_check.check_fp8_mlp(torch.device("cpu"), 128, 128)
 
 
 @needs_flex_on_cpu

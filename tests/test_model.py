@@ -789,6 +789,53 @@ def test_the_model_takes_its_losses_from_softcapped_loss_and_the_eval_loss(fp8):
                                                             model.logit_offset) / T)
 
 
+def test_fp8_reaches_every_mlp_and_update_down_scales_refreshes_each():
+    """GPTConfig.fp8 puts every MLP's training forward in FP8, as the lm_head's; update_down_scales gives each block's
+    down-projection what refresh_down_scales gives it alone, bootstrap or not."""
+    for fp8 in (False, True):
+        model = randomize_(train_gpt.GPT(train_gpt.GPTConfig(VOCAB, 4, num_heads=2, head_dim=16, model_dim=32,
+                                                             max_seq_len=T, windows=WINDOWS, fp8=fp8)))
+        assert [block.mlp.fp8 for block in model.blocks] == [fp8] * 4 and (model.fp8_scales is not None) == fp8
+    with torch.no_grad():  # a scale of its own for each
+        for i, block in enumerate(model.blocks):
+            block.mlp.c_proj.mul_(i + 1)
+    for bootstrap in (True, False, False):
+        twin = copy.deepcopy(model)
+        model.update_down_scales(bootstrap)
+        for block, alone in zip(model.blocks, twin.blocks):
+            mlp = alone.mlp
+            train_gpt.refresh_down_scales([mlp.c_proj], [mlp.down_scale], [mlp.next_down_scale], bootstrap)
+            for name in ("down_scale", "next_down_scale"):
+                assert torch.equal(getattr(block.mlp, name), getattr(mlp, name)), (bootstrap, name)
+        with torch.no_grad():  # as an optimizer step would
+            for block in model.blocks:
+                block.mlp.c_proj.mul_(1.1)
+    assert len({float(block.mlp.down_scale) for block in model.blocks}) == 4
+
+
+def test_the_trainer_updates_the_down_scales_once_after_each_optimizer_step(monkeypatch):
+    """After the step's optimizer steps have moved the MLPs' weights: bootstrap for steps below DOWN_BOOTSTRAP_STEPS
+    (the records' step < 16, their update after steps 0..15), then not."""
+    args = train_gpt.parse_args(["--preset=cpu", "--num_layers=2", "--model_dim=32", "--num_heads=2", "--head_dim=16",
+                                 "--seq_len=128", "--batch_slots=1", "--vocab_size=1000", "--num_iterations=20",
+                                 "--compile=false", "--dtype=float32", *[f"--{k}={v}" for k, v in FEW_LAYERS.items()]],
+                                "cpu")[0]
+    trainer = train_gpt.Trainer(args, 0, 1, train_gpt.plan_device(args, torch.device("cpu")))
+    calls = []
+    real = train_gpt.GPT.update_down_scales
+
+    def update(model, bootstrap):
+        calls.append((bootstrap, not torch.equal(model.blocks[0].mlp.c_proj, weights)))
+        real(model, bootstrap)
+
+    monkeypatch.setattr(train_gpt.GPT, "update_down_scales", update)
+    tokens = torch.randint(0, 1000, (129,), generator=torch.Generator().manual_seed(0))
+    for step in (14, 15, 16, 17):
+        weights = trainer.model.blocks[0].mlp.c_proj.detach().clone()
+        trainer.train_step(step, [(tokens[:-1].int(), tokens[1:])])
+    assert train_gpt.DOWN_BOOTSTRAP_STEPS == 16 and calls == [(True, True), (True, True), (False, True), (False, True)]
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("lm_head", ["fp8", "plain"])
 def test_the_captured_graphs_compute_eager_s_numbers(backend, lm_head):

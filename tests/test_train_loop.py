@@ -247,7 +247,7 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert f"python {sys.version.split()[0]} | {support.torch_description()}" in header
     assert "warning:" not in header  # the suite runs on tested releases only
     assert "hardware: 1x CPU" in header
-    for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
+    for line in ("  fp8 lm_head and MLPs: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
                  "  compile: off (compile=false)", "  dtype: float32", "  num_iterations: 2", "  seq_len: (128,)",
                  "key offset on layers [0]; long-window layers [0, 1]; heads paired on layers []; matrices float32",

@@ -7,6 +7,7 @@ Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any
   environment        torch is a release the suite passes on (requirements.txt's pin or another tested one) and
                      can use the NVIDIA GPUs the driver lists; FP8 capability
   fp8 matmul         the FP8 lm_head op against a bf16 matmul, forward and both gradients (record shapes on CUDA)
+  fp8 mlp            the MLP in training with FP8 against the same MLP in bf16, output and gradients (record width)
   flex forward       compiled FlexAttention against SDPA with the same dense masks (record windows and scales; the
                      first stage's on CPU; windows that end inside a block)
   flex backward      the same for the gradients of q, k and v (CUDA: FlexAttention has no backward on CPU)
@@ -57,6 +58,10 @@ sys.path.insert(0, str(ROOT / "data"))
 import shards  # noqa: E402
 
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
+# A rounding to e4m3 (3 mantissa bits) errs by ulp / sqrt(12) RMS, relative 2^-3 sqrt(E[1/m^2] / 12) for a mantissa m
+# log-uniform in [1, 2) (E[1/m^2] = 3 / (8 ln 2))
+E4M3_RMS_ERROR = 2**-3 * (3 / (8 * math.log(2)) / 12) ** 0.5
+FP8_MLP_MARGIN = 1.5  # the fp8 mlp check's limits over the errors that e4m3's roundings predict: a 20% error fails
 ATTENTION_TOLERANCE = 2e-2  # bf16 rounding on CUDA; float32 on CPU agrees far more closely
 BF16_UNIT_ROUNDOFF = 2.0**-8  # a rounding to bf16 (8 significant bits) moves a value by at most this of it
 COMPOSITION_FLOAT32_ERROR = 1e-3  # the composed attention's float32 arithmetic, relative (check_composition says why)
@@ -76,6 +81,15 @@ class UnusableGPUs(AssertionError):
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def relative_errors(names: tuple[str, ...], got: tuple, want: tuple, limits: list[float]) -> str:
+    """Each result's relative error against its bf16 twin, 'name error, ...'; an AssertionError past its limit."""
+    errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+    text = ", ".join(f"{name} {error:.3f}" for name, error in zip(names, errors, strict=True))
+    if any(error > limit for error, limit in zip(errors, limits, strict=True)):
+        raise AssertionError(f"relative error {text} (limit {', '.join(f'{limit:.3f}' for limit in limits)})")
+    return text
 
 
 def check_environment(device: torch.device) -> str:
@@ -116,12 +130,8 @@ def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: in
         losses = loss(xi, wi, fp8_scales)
         losses.sum().backward()
         results[name] = (logits, losses, xi.grad, wi.grad)
-    errors = [relative_error(a, b) for a, b in zip(results["fp8"], results["bf16"])]
-    if max(errors) > FP8_TOLERANCE:
-        raise AssertionError(f"relative error out {errors[0]:.3f}, loss {errors[1]:.3f}, grad x {errors[2]:.3f}, "
-                             f"grad w {errors[3]:.3f} (limit {FP8_TOLERANCE})")
-    summary = (f"{tokens}x{model_dim} @ {vocab}: rel. error out {errors[0]:.3f}, loss {errors[1]:.3f}, "
-               f"grad x {errors[2]:.3f}, grad w {errors[3]:.3f}")
+    errors = relative_errors(("out", "loss", "grad x", "grad w"), results["fp8"], results["bf16"], [FP8_TOLERANCE] * 4)
+    summary = f"{tokens}x{model_dim} @ {vocab}: rel. error {errors}"
     if device.type == "cuda":
         def step(fp8_scales):
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -129,6 +139,47 @@ def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: in
         times = {name: cuda_ms(lambda: step(fp8_scales)) for name, fp8_scales in (("fp8", scales), ("bf16", None))}
         summary += f"; loss forward and backward {times['fp8']:.2f} ms vs bf16 {times['bf16']:.2f} ms"
     return summary
+
+
+def fp8_mlp_expected_errors() -> list[float]:
+    """The relative errors that e4m3's roundings predict for the fp8 mlp check's (out, grad x, grad w_up, grad w_down):
+    two rounded operands give pre sqrt(2) E4M3_RMS_ERROR of its spread (random signs); relu^2 of a normal pre gives post
+    sqrt(4/3) x that; the down-projection adds its two operands'. The gradients take post's (grad w_down), or through
+    sqrt(post) pre's (grad x, grad w_up)."""
+    pre = 2**0.5 * E4M3_RMS_ERROR
+    post = (4 / 3) ** 0.5 * pre
+    return [(post**2 + 2 * E4M3_RMS_ERROR**2) ** 0.5, pre, pre, post]
+
+
+def check_fp8_mlp(device: torch.device, tokens: int, model_dim: int = 768) -> str:
+    """The MLP in training with FP8 against itself in bf16, output and gradients: normed normal inputs, both matrices
+    drawn as the record draws the up-projection (a trained down-projection is no longer zero), the down-projection's
+    input scale from another batch (as each forward's comes from the one before). Each error within FP8_MLP_MARGIN x
+    what e4m3's roundings predict (fp8_mlp_expected_errors)."""
+    if device.type == "cuda" and not train_gpt.fp8_supported(device)[0]:
+        raise Skip(train_gpt.fp8_supported(device)[1])
+    g = torch.Generator(device).manual_seed(5)
+    earlier, x = (train_gpt.norm(torch.randn(tokens, model_dim, device=device, generator=g)).bfloat16() for _ in range(2))
+    bound = train_gpt.init_bound(model_dim)
+    weights = [((torch.rand(4 * model_dim, model_dim, device=device, generator=g) * 2 - 1) * bound) for _ in range(2)]
+    grad = torch.randn(tokens, model_dim, device=device, generator=g).bfloat16()
+    results = {}
+    for fp8 in (True, False):
+        mlp = train_gpt.MLP(model_dim, torch.bfloat16, fp8).to(device).train()
+        with torch.no_grad():
+            mlp.c_fc.copy_(weights[0])
+            mlp.c_proj.copy_(weights[1])
+        train_gpt.refresh_down_scales([mlp.c_proj], [mlp.down_scale], [mlp.next_down_scale], bootstrap=True)
+        mlp(earlier)
+        xi = x.clone().requires_grad_()
+        out = mlp(xi)
+        out.backward(grad)
+        results[fp8] = (out, xi.grad, mlp.c_fc.grad, mlp.c_proj.grad)
+    expected = fp8_mlp_expected_errors()
+    errors = relative_errors(("out", "grad x", "grad w_up", "grad w_down"), results[True], results[False],
+                             [FP8_MLP_MARGIN * e for e in expected])
+    return (f"{tokens}x{model_dim} -> {4 * model_dim}: rel. error {errors} (predicted "
+            f"{', '.join(f'{e:.3f}' for e in expected)})")
 
 
 def cuda_ms(fn, repeats: int = 10) -> float:
@@ -466,6 +517,7 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
     checks = [
         ("environment", lambda: check_environment(device)),
         ("fp8 matmul", lambda: check_fp8(device, *((max(record.seq_len), 768, 50304) if cuda else (128, 768, 1024)))),
+        ("fp8 mlp", lambda: check_fp8_mlp(device, max(record.seq_len) if cuda else 256, record.model_dim)),
         ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
                                             **({} if cuda else dict(heads=2, head_dim=32, stages=1)))),
         ("flex backward", lambda: check_flex(device, 4096, backward=True)),
