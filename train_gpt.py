@@ -733,7 +733,8 @@ def composed_chunk(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, mix
     pattern = mix[:, 0, :, None] * probs[:, 0]
     for h in range(1, q.size(1)):  # over the heads in order, as the kernel adds them
         pattern = pattern + mix[:, h, :, None] * probs[:, h]
-    weights = (gain[..., None] * pattern[:, None]).to(weight_dtype).float()
+    weights = gain[..., None] * pattern[:, None]
+    weights = rounded_to_bf16(weights) if weight_dtype == torch.bfloat16 else weights.to(weight_dtype).float()
     return (weights[..., None, :] * values).sum(-1)
 
 
@@ -1083,8 +1084,8 @@ class SoftcappedLoss(torch.autograd.Function):
             logits, x, w = fp8_mm(x, w, *fp8_scales[:2])  # the matmul's operands as the backward takes them: in e4m3
         s = kernel_sigmoid(logits, offset)
         row_max = (cap * s).amax(dim=-1)
-        s = s.to(logits.dtype)
-        z = cap * s.float()
+        kept = rounded_to_bf16(s) if logits.dtype == torch.bfloat16 else s  # the kernel stores s in the logits' dtype
+        s, z = kept.to(logits.dtype), cap * kept
         lse = row_max + torch.log(torch.exp(z - row_max[:, None]).sum(dim=-1))
         terms = loss_terms(targets, weights, prefix_targets, prefix_weight)
         losses = torch.zeros_like(lse)
@@ -1107,7 +1108,7 @@ class SoftcappedLoss(torch.autograd.Function):
         # The kernel's factors of each row, in float32: the loss's gradient times cap / 7.5, then 1 / grad_s.
         inv_grad_s, cap_spread = float32(np.float32(1) / np.float32(grad_s)), float32(np.float32(INV_SPREAD) * np.float32(ctx.cap))
         row_scale = (grad * cap_spread * inv_grad_s)[:, None]
-        sf = s.float()
+        sf = rounded_to_bf16(s.float()) if s.dtype == torch.bfloat16 else s  # rounded even if the compiler recomputes s
         scaled_softmax = weight_sum[:, None] * torch.exp(ctx.cap * sf - lse[:, None])
         grad_logits = row_scale * scaled_softmax * sf * (1 - sf)
         # At each term's column, the weights of every term aiming there taken away, summed in the terms' order.
