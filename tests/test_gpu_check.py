@@ -42,10 +42,10 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
 
 def test_training_check_runs_the_real_trainer_on_cpu():
     """The training check's code path, uncompiled and tiny: the loss falls on a repeated batch."""
-    args = dataclasses.replace(train_gpt.parse_args(TINY_FORMS, "cpu")[0], num_layers=2, model_dim=64,
-                               num_heads=1, head_dim=64, seq_len=(128,), batch_slots=2, num_iterations=20, compile=False)
+    args = dataclasses.replace(train_gpt.parse_args(TINY_FORMS, "cpu")[0], num_layers=4, model_dim=64,
+                               num_heads=2, head_dim=32, seq_len=(128,), batch_slots=2, num_iterations=20, compile=False)
     summary = gpu_check.check_training(torch.device("cpu"), args, steps=4, warmup=2)
-    first, last = map(float, re.match(r"2 layers x 64, 2 x 128 tokens: loss (\S+) -> (\S+);", summary).groups())
+    first, last = map(float, re.match(r"4 layers x 64, 2 x 128 tokens: loss (\S+) -> (\S+);", summary).groups())
     # Multi-token prediction weighs each position's next 3 by 1, 0.5 and 0.25 (2 and 1 of them at a sequence's end),
     # each a cross-entropy within 2 max|softcapped logit| of ln(50304): the softcap's slope is at most cap / (4 x 7.5),
     # and |z_i| <= |w_i| sqrt(D) for the normed input. The lm_head as the Trainer draws it; printed to 0.005.
@@ -87,7 +87,7 @@ def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(m
         gpu_check.check_environment(torch.device("cpu"))
 
 
-BENCH_RUN = ["--preset=cpu", *TINY_FORMS, "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+BENCH_RUN = ["--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--seq_len=256",
              "--batch_slots=2", "--compile=false", "--dtype=float32", "--vocab_size=50304", "--packed_doc_len=128",
              "--num_iterations=6", "--window_stages=1,2", "--steps=1"]
 
@@ -134,7 +134,7 @@ def test_the_bench_runs_real_steps_on_two_processes(capsys):
     test_the_bench_times_one_stage_alone's, the launch of workers the all-reduce check's
     (test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones)."""
     report = gpu_check.bench_main([*BENCH_RUN, "--processes=2"]).splitlines()
-    assert report[0].startswith("bench: preset cpu, 2 layers x 64, 2 x 256 tokens a step; 2 process(es) on cpu (CPU), "
+    assert report[0].startswith("bench: preset cpu, 4 layers x 64, 2 x 256 tokens a step; 2 process(es) on cpu (CPU), "
                                 "1 micro-step(s) each; dtype float32, compile False; torch ")
     assert [line.split(":")[0] for line in report[1:3]] == ["2 x 256 tokens, window 1 (32 tokens), 3 steps",
                                                              "2 x 256 tokens, window 2 (64 tokens), 3 steps"]

@@ -574,8 +574,9 @@ def heads_forward(model, tokens, window, control=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_trunk_computes_heads_forward(dtype):
-    """HEAD's structure at width 48 (records_shape_gpt), random weights, gates and coefficients, several documents, a
-    window that cuts both masks: the trunk equals HEAD's forward written out (heads_forward), to the bit, and so does
+    """HEAD's structure at width 48 (records_shape_gpt), random weights, gates and coefficients, three documents, a
+    window of 2 blocks that cuts the last one (282 tokens) in every kind of layer (long 256 tokens, short 128, paired
+    128 positions): the trunk equals HEAD's forward written out (heads_forward), to the bit, and so does
     every parameter's gradient through a fixed random weighting of it (the order of operations sets the order in which
     the gradients of the tensors used again and again sum: x0, the bigram rows, the cached states, the value
     embeddings). The lm_head alone, unused by the trunk, gets none. Controls: attending past layer 7 over the layers'
@@ -583,7 +584,8 @@ def test_the_trunk_computes_heads_forward(dtype):
     gradients."""
     model = randomize_(records_shape_gpt(dtype))
     twin = copy.deepcopy(model)
-    tokens, _ = documents()
+    tokens = documents()[0].clone()
+    tokens[300] = 1  # documents at 0, 100 and 230
     weighting = torch.randn(1, T, 48, generator=torch.Generator().manual_seed(5)).to(dtype)
     trunk = model.trunk(tokens, 2)
     expected = heads_forward(twin, tokens, 2)
