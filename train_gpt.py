@@ -177,11 +177,11 @@ DOWN_WEIGHT_HEADROOM = 1.12
 DOWN_BOOTSTRAP_STEPS = 16  # the updates after steps 0..15 scale the down weight by its own amax: from zero it grows fast
 
 
-def rounded_to_bf16(x: Tensor) -> Tensor:
-    """float32 x rounded to the nearest bf16 (ties to even), kept in float32, where the records' kernels round and go
-    on in float32. Inductor drops a bfloat16 round trip inside a fused kernel: compiled, this rounds the bits."""
-    if not torch.compiler.is_compiling():
-        return x.bfloat16().float()
+def rounded_to(x: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """float32 x rounded to dtype (to nearest, ties to even), kept in float32, where the records' kernels round and go
+    on in float32. Inductor drops a bfloat16 round trip inside a fused kernel: compiled, bf16 rounds the bits."""
+    if dtype != torch.bfloat16 or not torch.compiler.is_compiling():
+        return x.to(dtype).float()
     bits = x.view(torch.int32)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000  # half a bf16 ulp less one, plus the lsb kept: ties to even
     return torch.where(x.isnan(), x, bits.view(torch.float32))
@@ -191,8 +191,8 @@ def current_scale(w: Tensor) -> Tensor:
     """The FP8 scale of a bf16 weight from its own amax: amax (floored) / E4M3_MAX, float32, each step rounded to bf16 as
     the records compute it on the weight (2026-05-19). A quotient of bf16 values is never near a bf16 tie, so a division
     within a few float32 ulps rounds alike (inductor's on CUDA: a product with 1/448's float32)."""
-    amax = rounded_to_bf16(w.detach().abs().amax().float().clamp(min=AMAX_FLOOR))
-    return rounded_to_bf16(amax / E4M3_MAX)
+    amax = rounded_to(w.detach().abs().amax().float().clamp(min=AMAX_FLOOR))
+    return rounded_to(amax / E4M3_MAX)
 
 
 def headroom_scale(amax: Tensor, headroom: float) -> Tensor:
@@ -206,7 +206,7 @@ def scaled_product(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Te
     float64: e4m3 products are multiples of 2^-18 below 2^18) for fewer than 2^17 terms, rounded once to float32."""
     if a.is_cuda:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=True)
-    return rounded_to_bf16((a.double() @ b.double()).float() * (scale_a * scale_b)).bfloat16()
+    return rounded_to((a.double() @ b.double()).float() * (scale_a * scale_b)).bfloat16()
 
 
 def fp8_mlp_forward(x: Tensor, w_up: Tensor, w_down: Tensor, act_scale: Tensor, down_scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,12 +214,12 @@ def fp8_mlp_forward(x: Tensor, w_up: Tensor, w_down: Tensor, act_scale: Tensor, 
     the records' kernels compute them: x scaled by its amax, w_up by its own (2026-05-19); post by act_scale, w_down by
     down_scale, made from earlier amaxes (2026-07-17). Returns (post, output)."""
     up_scale = current_scale(w_up)
-    w_up_f8 = rounded_to_bf16(w_up.float() / up_scale).to(torch.float8_e4m3fn)  # the quotient in bf16, as the weight's
+    w_up_f8 = rounded_to(w_up.float() / up_scale).to(torch.float8_e4m3fn)  # the quotient in bf16, as the weight's
     x_amax = x.abs().amax().float().clamp(min=AMAX_FLOOR)
     x_f8 = (x.float() * (E4M3_MAX / x_amax)).to(torch.float8_e4m3fn)  # as torch computes 448 / amax: 448 x (1 / amax)
     # the record's compiled graph divides by 448 as inductor does on CUDA: times 1/448's float32
     pre = scaled_product(x_f8, w_up_f8.T, up_scale * x_amax * (1 / E4M3_MAX), torch.ones_like(up_scale))
-    post = rounded_to_bf16(F.relu(pre.float()).square())
+    post = rounded_to(F.relu(pre.float()).square())
     post_f8 = (post * act_scale.reciprocal()).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     w_down_f8 = (w_down.T.float() / down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous().T
     return post.bfloat16(), scaled_product(post_f8, w_down_f8, act_scale, down_scale)
@@ -734,7 +734,7 @@ def composed_chunk(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, mix
     for h in range(1, q.size(1)):  # over the heads in order, as the kernel adds them
         pattern = pattern + mix[:, h, :, None] * probs[:, h]
     weights = gain[..., None] * pattern[:, None]
-    weights = rounded_to_bf16(weights) if weight_dtype == torch.bfloat16 else weights.to(weight_dtype).float()
+    weights = rounded_to(weights, weight_dtype)
     return (weights[..., None, :] * values).sum(-1)
 
 
@@ -1084,7 +1084,7 @@ class SoftcappedLoss(torch.autograd.Function):
             logits, x, w = fp8_mm(x, w, *fp8_scales[:2])  # the matmul's operands as the backward takes them: in e4m3
         s = kernel_sigmoid(logits, offset)
         row_max = (cap * s).amax(dim=-1)
-        kept = rounded_to_bf16(s) if logits.dtype == torch.bfloat16 else s  # the kernel stores s in the logits' dtype
+        kept = rounded_to(s, logits.dtype)  # the kernel stores s in the logits' dtype
         s, z = kept.to(logits.dtype), cap * kept
         lse = row_max + torch.log(torch.exp(z - row_max[:, None]).sum(dim=-1))
         terms = loss_terms(targets, weights, prefix_targets, prefix_weight)
@@ -1108,7 +1108,7 @@ class SoftcappedLoss(torch.autograd.Function):
         # The kernel's factors of each row, in float32: the loss's gradient times cap / 7.5, then 1 / grad_s.
         inv_grad_s, cap_spread = float32(np.float32(1) / np.float32(grad_s)), float32(np.float32(INV_SPREAD) * np.float32(ctx.cap))
         row_scale = (grad * cap_spread * inv_grad_s)[:, None]
-        sf = rounded_to_bf16(s.float()) if s.dtype == torch.bfloat16 else s  # rounded even if the compiler recomputes s
+        sf = rounded_to(s.float(), s.dtype)  # rounded even if the compiler recomputes s
         scaled_softmax = weight_sum[:, None] * torch.exp(ctx.cap * sf - lse[:, None])
         grad_logits = row_scale * scaled_softmax * sf * (1 - sf)
         # At each term's column, the weights of every term aiming there taken away, summed in the terms' order.

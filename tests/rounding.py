@@ -112,7 +112,7 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 EXACT_FUNCTIONS = {"__getitem__", "__get__", "size", "numel", "dim", "view", "view_as", "reshape", "flatten", "transpose",
                    "permute", "unsqueeze", "squeeze", "expand", "contiguous", "chunk", "split", "unbind", "cat", "stack",
                    "embedding", "relu", "neg", "__neg__", "clone", "detach", "masked_fill", "arange", "zeros", "ones",
-                   "flip", "unflatten", "clamp_min", "repeat_interleave",
+                   "flip", "unflatten", "clamp_min", "repeat_interleave", "pad", "unfold", "amax",
                    "float", "type_as", "to"}
 ONE_ROUNDING = {"add", "sub", "mul", "div", "square", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                 "__truediv__"}
@@ -175,7 +175,7 @@ def probabilistic_bound(run: TorchCalls, twin: TorchCalls, twin_value: torch.Ten
     for (u, rounded_factor), z, dz in zip(roundings, twins + list(rounded_leaves), grads):
         if dz is None:
             continue
-        a = dz * z.detach()
+        a = torch.where(z.detach().isfinite(), dz * z.detach(), 0)  # infinities (masked logits) are exact
         spread += u**2 * (float(a.square().sum()) + (float(a.sum()) ** 2 if rounded_factor else 0.0))
     return LAMBDA * spread ** 0.5
 
@@ -200,7 +200,8 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
         out = func(*args, **norm_eps(name, args, kwargs, self.dtype))
         if not rounds(name, out):
             return out
-        local = self.local_bound(name, args, kwargs, out)
+        # an infinite result (a masked logit less a finite one) is exact: IEEE arithmetic on infinities does not round
+        local = torch.where(out.detach().isfinite(), self.local_bound(name, args, kwargs, out), 0)
         assert out.requires_grad, f"{name} rounds a result no gradient reaches: give its inputs requires_grad"
         self.records.append((out, local))
         return out
@@ -217,6 +218,8 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
             return (2 * EXP_ULPS + 2) * u * z
         if name == "tanh":
             return 2 * EXP_ULPS * u * z
+        if name == "exp2":  # the vector libraries' exp2, like their exp, within EXP_ULPS ulps
+            return EXP_ULPS * u * z
         if name == "sum":  # its terms in any order
             terms = args[0].numel() // max(out.numel(), 1)
             return gamma(max(terms, 1), self.dtype) * torch.sum(args[0].detach().abs(), *args[1:], **kwargs)

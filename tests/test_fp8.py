@@ -418,7 +418,7 @@ def test_the_bf16_backward_recovers_relu_pre_from_post():
         assert torch.equal(autograd, ours) == (dtype == torch.float32), dtype
 
 
-def test_rounded_to_bf16_compiled_rounds_as_eager():
+def test_rounded_to_compiled_rounds_as_eager():
     """2^20 float32 values: random bit patterns (NaN and infinities among them), a quarter of them ties (the dropped
     half exactly 0x8000, with even and odd kept lsb), and their neighbours; the compiled helper rounds each to the bits
     of eager's x.bfloat16().float(), NaN to NaN."""
@@ -429,9 +429,9 @@ def test_rounded_to_bf16_compiled_rounds_as_eager():
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, 3.3961775e38])
     x = torch.cat([bits.view(torch.float32), specials])
     with torch._inductor.config.patch(force_disable_caches=True):
-        compiled = torch.compile(train_gpt.rounded_to_bf16, dynamic=False, fullgraph=True)(x)
+        compiled = torch.compile(train_gpt.rounded_to, dynamic=False, fullgraph=True)(x)
     eager = x.bfloat16().float()
-    assert torch.equal(train_gpt.rounded_to_bf16(x).isnan(), eager.isnan()) and torch.equal(compiled.isnan(), eager.isnan())
+    assert torch.equal(train_gpt.rounded_to(x).isnan(), eager.isnan()) and torch.equal(compiled.isnan(), eager.isnan())
     kept = ~eager.isnan()
     assert torch.equal(compiled[kept].view(torch.int32), eager[kept].view(torch.int32))
     assert (bits[::4] & 0x10000).any() and ((bits[::4] & 0x10000) == 0).any()  # ties to even, both ways
@@ -468,7 +468,7 @@ def test_a_quotient_of_bf16_values_rounds_to_bf16_alike_from_any_division_within
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 def test_the_compiled_fp8_mlp_computes_eager_s_bits():
     """The MLP's FP8 forward and backward, and the scales' update, compiled (inductor fuses the roundings away unless
-    rounded_to_bf16 keeps them) equal eager to the bit: output, gradients and all three scales, over two steps."""
+    rounded_to keeps them) equal eager to the bit: output, gradients and all three scales, over two steps."""
     mlps = [fp8_mlp(), fp8_mlp()]
     x = train_gpt.norm(torch.randn(2, 1, MLP_TOKENS, MLP_DIM, generator=torch.Generator().manual_seed(4))).bfloat16()
     results = []
