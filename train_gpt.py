@@ -1444,7 +1444,7 @@ class GPT(nn.Module):
     def bigram_embeddings(self, tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
         """(T, D): each position's bigram row times its sign row (the records from 2026-05-20)."""
         rows = self.bigram_embed(bigram_ids(tokens, self.bigram_embed.num_embeddings, restarts))
-        return rows * self.bigram_signs[bigram_sign_ids(tokens, restarts)]
+        return rows * self.bigram_signs[bigram_sign_ids(tokens, restarts)].type_as(rows)  # +-1: exact in any dtype
 
     @torch.no_grad()
     def update_down_scales(self, bootstrap: bool):
