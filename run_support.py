@@ -1,10 +1,11 @@
 """What a run of train_gpt.py needs that never changes what it computes: the command line, the run log
 and its reports (the run's layout, hardware, memory, throughput and MFU), checkpoints, stop signals and
-the resume command, the GPU guard. train_gpt.py logs this file's source after its own, so a log still
+the resume command, the GPU guard, the GPT-2 ranks file (pinned by its sha256). train_gpt.py logs this file's source after its own, so a log still
 holds every line that ran. This module imports nothing from train_gpt.py.
 """
 
 import argparse
+import base64
 import contextlib
 import dataclasses
 import fcntl
@@ -379,7 +380,9 @@ def describe_run(trainer) -> list[str]:
              f"on layers {[i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset]}; "
              f"long-window layers "
              f"{[i for i, long in enumerate(model.long_window) if long]}; heads paired on layers "
-             f"{[i for i, paired in enumerate(model.paired) if paired]}; matrices "
+             f"{[i for i, paired in enumerate(model.paired) if paired]}; skip from layer "
+             f"{model.skip_source}; later layers attend over layer {model.backout_layer}'s "
+             f"output; XSA on layers {list(model.xsa_layers)}; matrices "
              f"{str(model.blocks[0].mlp.c_fc.dtype).removeprefix('torch.')}"]
     lines.append(f"muon: {len(trainer.muon.rounds)} rounds; orthogonalization GFLOPs per rank "
                  f"{[round(f / 1e9, 2) for f in trainer.muon.flops_per_rank]}")
@@ -771,6 +774,30 @@ def stopped_after(signum: int, step: int, save, saved: list[Path], run_id: str, 
     command = shlex.join([*launcher, "train_gpt.py", *kept, f"--run_id={run_id}", f"--resume={path}"])
     log(f"stopped by {name} after step {step}; checkpoint: {path}")
     return Preempted(signum, f"stopped by {name} after step {step}; resume with: {command}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPT-2 tokenizer's ranks (train_gpt.prefix_table's), read offline
+
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # data/gpt2_tokenizer.py's pin
+GPT2_RANKS_VARIABLE = "GPT2_TIKTOKEN_FILE"  # a copy of gpt2.tiktoken, as data/gpt2_tokenizer.py takes it
+GPT2_RANKS_CACHE = Path(__file__).resolve().parent / "data" / "cache" / "gpt2.tiktoken"  # where that script fetches it
+
+
+def gpt2_ranks(environ=os.environ) -> dict[bytes, int]:
+    """The GPT-2 BPE ranks (token bytes -> id) from the file $GPT2_TIKTOKEN_FILE names, else GPT2_RANKS_CACHE, in
+    tiktoken's format (a base64 token and its id a line), checked by sha256; a one-line ConfigError if unreadable."""
+    named = environ.get(GPT2_RANKS_VARIABLE)
+    where = f"{GPT2_RANKS_VARIABLE}={named}" if named else str(GPT2_RANKS_CACHE)
+    todo = ("point it at an unmodified gpt2.tiktoken" if named else
+            f"fetch it with: python data/gpt2_tokenizer.py (or set {GPT2_RANKS_VARIABLE} to a copy of gpt2.tiktoken)")
+    try:
+        data = Path(named or GPT2_RANKS_CACHE).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"GPT-2 ranks {where}: {e.strerror}; {todo}") from e
+    if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
+        raise ConfigError(f"GPT-2 ranks {where}: not the pinned file (sha256 {GPT2_RANKS_SHA256}); {todo}")
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
 
 
 # ------------------------------------------------------------------------------------------------

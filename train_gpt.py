@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import itertools
 import math
 import os
 import sys
@@ -95,8 +96,8 @@ def float32(value: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8 matmul as custom ops (the lm_head's in training, inside the loss: SoftcappedLoss): x, w in e4m3
-# forward, the gradient in e5m2 backward, each divided by the record's fixed scale.
+# FP8 in training: the lm_head's matmul as custom ops (inside the loss: SoftcappedLoss), x, w in e4m3 forward, the
+# gradient in e5m2 backward, each divided by the record's fixed scale; the MLPs' forward matmuls with scales from amaxes.
 
 LOGIT_SOFTCAP = 23.0  # logits = LOGIT_SOFTCAP * sigmoid((z + LOGIT_OFFSET) / LOGIT_SOFTCAP_SPREAD), z the lm_head's output
 LOGIT_OFFSET = 5.0  # (records from 2025-12-26; 30 and 0 before)
@@ -135,7 +136,8 @@ def _fp8_backward(g_f8: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: flo
 @functools.cache
 def compiled_on_first_use(fn):
     """fn under torch.compile, for CUDA paths that run outside the compiled model (the FP8 scaling and
-    casts, which then fuse; the optimizers' updates; FlexAttention). Made on first use: importing stays cheap."""
+    casts, which then fuse; the MLPs' FP8 scale updates; the optimizers' updates; FlexAttention). Made on first use:
+    importing stays cheap."""
     return torch.compile(fn, dynamic=False)
 
 
@@ -164,6 +166,74 @@ def _(g_f8, x_f8, w_f8, x_s, w_s, grad_s):
     # grad_w is the transpose of a row-major (in, out) result; the fake must have the same strides
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
             w_f8.new_empty(w_f8.shape[::-1], dtype=torch.float32).T)
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value: an FP8 scale maps a tensor's amax (times a headroom) onto it
+AMAX_FLOOR = 1e-12  # under every amax, so that an all-zero tensor's scale stays finite (the records')
+# The MLP's down-projection scales late (records from 2026-07-17): its input by 1.8 x the amax of the previous forward's,
+# its weight by 1.12 x the amax before the last optimizer step, headroom for what the step changed
+ACT_SCALE_HEADROOM = 1.8
+DOWN_WEIGHT_HEADROOM = 1.12
+DOWN_BOOTSTRAP_STEPS = 16  # the updates after steps 0..15 scale the down weight by its own amax: from zero it grows fast
+
+
+def rounded_to(x: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """float32 x rounded to dtype (to nearest, ties to even), kept in float32, where the records' kernels round and go
+    on in float32. Inductor drops a bfloat16 round trip inside a fused kernel: compiled, bf16 rounds the bits."""
+    if dtype != torch.bfloat16 or not torch.compiler.is_compiling():
+        return x.to(dtype).float()
+    bits = x.view(torch.int32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000  # half a bf16 ulp less one, plus the lsb kept: ties to even
+    return torch.where(x.isnan(), x, bits.view(torch.float32))
+
+
+def current_scale(w: Tensor) -> Tensor:
+    """The FP8 scale of a bf16 weight from its own amax: amax (floored) / E4M3_MAX, float32, each step rounded to bf16 as
+    the records compute it on the weight (2026-05-19). A quotient of bf16 values is never near a bf16 tie, so a division
+    within a few float32 ulps rounds alike (inductor's on CUDA: a product with 1/448's float32)."""
+    amax = rounded_to(w.detach().abs().amax().float().clamp(min=AMAX_FLOOR))
+    return rounded_to(amax / E4M3_MAX)
+
+
+def headroom_scale(amax: Tensor, headroom: float) -> Tensor:
+    """A delayed FP8 scale: an earlier amax (floored) times headroom / E4M3_MAX in float32 (2026-07-17)."""
+    return amax.float().clamp(min=AMAX_FLOOR) * (headroom / E4M3_MAX)
+
+
+def scaled_product(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+    """a @ b in bf16 for e4m3 a (row-major) and b (column-major): the products summed in float32, times scale_a
+    scale_b (float32), rounded once. CUDA: _scaled_mm, with the records' fast accumulation; elsewhere the sum exact (in
+    float64: e4m3 products are multiples of 2^-18 below 2^18) for fewer than 2^17 terms, rounded once to float32."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=True)
+    return rounded_to((a.double() @ b.double()).float() * (scale_a * scale_b)).bfloat16()
+
+
+def fp8_mlp_forward(x: Tensor, w_up: Tensor, w_down: Tensor, act_scale: Tensor, down_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """post = relu(x @ w_up.T)^2 and post @ w_down in bf16 through e4m3 copies (x (N, D), the weights (4D, D) bf16) as
+    the records' kernels compute them: x scaled by its amax, w_up by its own (2026-05-19); post by act_scale, w_down by
+    down_scale, made from earlier amaxes (2026-07-17). Returns (post, output)."""
+    up_scale = current_scale(w_up)
+    w_up_f8 = rounded_to(w_up.float() / up_scale).to(torch.float8_e4m3fn)  # the quotient in bf16, as the weight's
+    x_amax = x.abs().amax().float().clamp(min=AMAX_FLOOR)
+    x_f8 = (x.float() * (E4M3_MAX / x_amax)).to(torch.float8_e4m3fn)  # as torch computes 448 / amax: 448 x (1 / amax)
+    # the record's compiled graph divides by 448 as inductor does on CUDA: times 1/448's float32
+    pre = scaled_product(x_f8, w_up_f8.T, up_scale * x_amax * (1 / E4M3_MAX), torch.ones_like(up_scale))
+    post = rounded_to(F.relu(pre.float()).square())
+    post_f8 = (post * act_scale.reciprocal()).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    w_down_f8 = (w_down.T.float() / down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous().T
+    return post.bfloat16(), scaled_product(post_f8, w_down_f8, act_scale, down_scale)
+
+
+def refresh_down_scales(weights: list[Tensor], scales: list[Tensor], next_scales: list[Tensor], bootstrap: bool):
+    """After an optimizer step, each down-projection weight (bf16) takes the scale made after the step before (bootstrap:
+    its own amax's instead) and makes the next from its amax now, headroom DOWN_WEIGHT_HEADROOM (2026-07-17)."""
+    for w, scale, next_scale in zip(weights, scales, next_scales, strict=True):
+        w = w.detach().bfloat16()
+        if bootstrap:
+            next_scale.copy_(current_scale(w))
+        scale.copy_(next_scale)
+        next_scale.copy_(headroom_scale(w.abs().amax(), DOWN_WEIGHT_HEADROOM))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,14 +474,14 @@ def adam_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, st
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam with cautious weight decay, each group with its own lr, betas and wd_mul (decay lr^2 wd wd_mul: the lr
-    twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
+    """Adam with cautious weight decay, each group with its own lr, lr_mul (a factor on the scheduled lr), betas and
+    wd_mul (decay lr^2 wd wd_mul: the lr twice, so that the decay follows the schedule); its moments in float32 at least (the records' from 2025-12-31). Compiled on
     CUDA, as in the record. Parameters in idle (the embedding while it is tied) are not stepped."""
 
     def __init__(self, param_groups: list[dict], eps: float, weight_decay: float = 0.0, compiled: bool = False):
         if any("betas" not in group for group in param_groups):
             raise ValueError("each Adam group names its betas (the records' per parameter kind, from 2026-01-04)")
-        super().__init__(param_groups, dict(eps=eps, weight_decay=weight_decay, wd_mul=1.0))
+        super().__init__(param_groups, dict(eps=eps, weight_decay=weight_decay, wd_mul=1.0, lr_mul=1.0))
         self.update = compiled_on_first_use(adam_update) if compiled else adam_update
         self.idle = set()
         # The step size and decay of each update, computed in double precision as the record's Python floats, then
@@ -421,7 +491,8 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
+            (beta1, beta2), eps = group["betas"], group["eps"]
+            lr = group["lr"] * group["lr_mul"]  # the scheduled lr, then the group's factor (the records' order)
             for p in group["params"]:
                 if p.grad is None or p in self.idle:
                     continue
@@ -600,6 +671,73 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
     return torch.cat(blocks, dim=2)
 
 
+LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
+COMPOSITION_WINDOW = 112  # keys of each query's composed attention, its own the newest (the 2026-05-27 record's)
+COMPOSITION_EPS = 1e-6  # the rms norm's eps of each token's head-mixing weights (2026-05-27)
+COMPOSITION_CHUNK = 128  # queries at a time in eager runs: their window's products take chunk x window x D a head
+
+
+def document_starts(tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
+    """Each position's document's first position (T,): the last EOT_TOKEN (or restart, evaluation's) at or before it,
+    0 before the first (the documents of attention_mask())."""
+    positions = torch.arange(tokens.numel(), device=tokens.device)
+    firsts = tokens == EOT_TOKEN if restarts is None else (tokens == EOT_TOKEN) | restarts
+    return torch.where(firsts, positions, 0).cummax(0).values
+
+
+def composition_weights(mix: Tensor, gain: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The composed attention's per-token weights (B, T, H) in dtype (the activations'), from a gate's outputs: mix
+    rms-normed over the heads in float32 (the 2026-05-27 record's), gain as it is."""
+    return F.rms_norm(mix.float(), (mix.size(-1),), eps=COMPOSITION_EPS).to(dtype), gain.to(dtype)
+
+
+def composed_attention_correction(y: Tensor, q: Tensor, k: Tensor, v: Tensor, mix: Tensor, gain: Tensor,
+                                  starts: Tensor, scale: float, window: int = COMPOSITION_WINDOW,
+                                  chunk: int = COMPOSITION_CHUNK) -> Tensor:
+    """y (B, H, Tq, D), attend()'s output, plus the 2026-05-27 record's composed attention (post-softmax only, its
+    layer 10's): each head's softmax over the query's last `window` keys within its document, at attend's scale;
+    those patterns summed over the heads, weighted by mix, into one per query; each head adding its values under that
+    pattern times its gain. q: (B, H, Tq, D), the last Tq positions of k's and v's (B, H, Tk, D) (in generation a KV
+    cache's new ones); mix, gain: (B, Tq, H) from composition_weights(); starts: (Tq,) each query's document's first
+    key (document_starts()). Computed in float32 from the inputs' values, as the record's kernel: each head's weights
+    rounded to v's dtype before the product with v, y + the correction to y's dtype."""
+    Tq, Tk = q.size(2), k.size(2)
+    # Slot s of query i holds key Tk - Tq + i - (window - 1) + s; slots before key 0 hold zeros, masked as outside the
+    # document. Eager, chunk queries at a time; compiled, all at once: inductor sums the products without storing them.
+    first = Tk - Tq - (window - 1)
+    # (B, H, Tq, D, window) views of one unfold: backward sums each key's gradient over its queries in one pass,
+    # whatever the chunk (eager, holding window x D a query and head).
+    keys, values = (F.pad(t[:, :, max(first, 0):].float(), (0, 0, max(-first, 0), 0)).unfold(2, window, 1)
+                    for t in (k, v))
+    slots = torch.arange(first, first + Tq, device=q.device)[:, None] + torch.arange(window, device=q.device)
+    allowed = slots >= starts[:, None]
+    # The record's kernel takes exp2 of logits times scale * log2(e), that product in float32.
+    log2_scale = float32(float32(scale) * float32(LOG2E))
+    mix, gain = (w.float().transpose(1, 2) for w in (mix, gain))
+    chunk = Tq if torch.compiler.is_compiling() else chunk
+    corrections = [composed_chunk(*inputs, log2_scale, v.dtype) for inputs in zip(
+        q.float().split(chunk, 2), keys.split(chunk, 2), values.split(chunk, 2), allowed.split(chunk),
+        mix.split(chunk, 2), gain.split(chunk, 2))]
+    return (y.float() + torch.cat(corrections, dim=2)).to(y.dtype)
+
+
+def composed_chunk(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, mix: Tensor, gain: Tensor,
+                   log2_scale: float, weight_dtype: torch.dtype) -> Tensor:
+    """composed_attention_correction()'s correction of a chunk of C queries q (B, H, C, D), float32, against their
+    window's slots: keys, values (B, H, C, D, window), allowed (C, window), mix, gain (B, H, C). Every sum runs over
+    the same slots in the same order whatever the chunk: no result depends on it."""
+    logits = ((q[..., None] * keys).sum(-2) * log2_scale).masked_fill(~allowed, -math.inf)
+    # Softmax is unchanged by the shift: the max takes no gradient.
+    powers = torch.exp2(logits - logits.amax(-1, keepdim=True).detach())
+    probs = powers / powers.sum(-1, keepdim=True)
+    pattern = mix[:, 0, :, None] * probs[:, 0]
+    for h in range(1, q.size(1)):  # over the heads in order, as the kernel adds them
+        pattern = pattern + mix[:, h, :, None] * probs[:, h]
+    weights = gain[..., None] * pattern[:, None]
+    weights = rounded_to(weights, weight_dtype)
+    return (weights[..., None, :] * values).sum(-1)
+
+
 def attention_scales(windows, first_scale: float, growth: float) -> dict[int, float]:
     """The softmax scale (QK-normed, so no 1/sqrt(d)) for each window of a run in order: first_scale,
     times 1 + growth ln(new / previous) at each new window (longer windows, sharper attention)."""
@@ -610,9 +748,9 @@ def attention_scales(windows, first_scale: float, growth: float) -> dict[int, fl
     return dict(zip(distinct, scales))
 
 
-GATE_INPUTS = 12  # residual-stream dims the attention and value-embedding gates read
-SKIP_GATE_INIT = -1.5  # the records' sigmoid skip gates start at sigmoid(-1.5), about a fifth of a skip
-BACKOUT_LAMBDA_INIT = 0.5  # the records' backout starts by taking out half of the residual after its layer
+GATE_INPUTS = 12  # the smear's gate reads the embedding's first dims; the value-embedding gates half x's, half ve's
+SKIP_LAMBDA_INIT = -1.5  # the skip's weight starts at sigmoid(-1.5) times its gate (records from 2025-09-11)
+XSA_FLOOR = 1e-8  # XSA divides by |v|^2 no smaller than this (the 2026-04-29 record's clamp)
 
 
 def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
@@ -628,8 +766,8 @@ def offset_keys(k: Tensor, before: Tensor | None = None, restarts: Tensor | None
 
 
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the 2026-01-19 record's hash: these times the token and the one before it
-BIGRAM_LAMBDA_INIT = 0.05  # the records' bigram embedding joins the stream at this weight (from 2026-02-12; 0.1 before)
-BIGRAM_ROWS_PER_TOKEN = 5  # its table: 5 rows per (padded) vocabulary entry, 5 x 50304 in the records
+BIGRAM_ROWS_PER_TOKEN = 7.5  # its table: 15 x 50304 // 2 rows in the records from 2026-05-20 (5 per token before)
+BIGRAM_SIGN_ROWS = 8192  # rows of the fixed random +-1 table each bigram's row is multiplied by (2026-05-20's sign trick)
 
 
 def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Tensor:
@@ -639,21 +777,43 @@ def bigram_ids(tokens: Tensor, rows: int, restarts: Tensor | None = None) -> Ten
     (evaluation's): each such position as a sequence's first."""
     last = rows - 1
     x = tokens.to(torch.int32)
-    first = torch.arange(x.numel(), device=x.device) == 0  # not first[0] = True: that makes a host tensor a step
-    first = first if restarts is None else first | restarts
+    first = sequence_firsts(x, restarts)
     second = torch.cat([first.new_zeros(1), first[:-1]])
     previous = torch.where(second, last, torch.cat([x[:1], x[:-1]]))
     hashed = torch.bitwise_xor(BIGRAM_MULTIPLIERS[0] * x, BIGRAM_MULTIPLIERS[1] * previous) % last
     return torch.where(first, last, hashed)
 
 
+def bigram_sign_ids(tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
+    """Each position's row of the sign table (the 2026-05-20 record's): (p XOR t) mod BIGRAM_SIGN_ROWS, p the token
+    before, row 0 at a sequence's first position (restarts as bigram_ids)."""
+    x = tokens.long()
+    ids = torch.bitwise_xor(torch.cat([x[:1], x[:-1]]), x) % BIGRAM_SIGN_ROWS
+    return torch.where(sequence_firsts(x, restarts), 0, ids)
+
+
+def sequence_firsts(tokens: Tensor, restarts: Tensor | None) -> Tensor:
+    """(T,) bool: position 0, and each position where restarts is true."""
+    first = torch.arange(tokens.numel(), device=tokens.device) == 0  # not first[0] = True: that makes a host tensor a step
+    return first if restarts is None else first | restarts
+
+
+@dataclass
+class LayerGates:
+    """What the gate networks give one layer's attention, per token (None: not on this layer): XSA's strength
+    (1, T, H), the output gate (1, T, H) and the composition's two head weightings (1, T, H) each."""
+    xsa: Tensor | None = None
+    output: Tensor | None = None
+    composition: tuple[Tensor, Tensor] | None = None
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention, its weights in matrix_dtype (the records' bf16 from 2026-01-04), zero until GPT draws them
     (draw_matrices): q's and k's rows a head pair to a Muon matrix (qk_w), v and the output projection a matrix each
-    (vo_w). paired: the heads attend in pairs over a
-    sequence twice as long (the records from 2026-01-07): for each token, the first half of its heads' q, k, v rows at
-    position 2t and the second half at 2t + 1, so that head h shares keys with head h + H/2; each pair (h, h + 1)
-    turns as one vector at 2t and 2t + 1."""
+    (vo_w). paired: the heads attend in pairs over a sequence twice as long (the records from 2026-01-07): for each
+    token, the first half of its heads' q, k, v rows at position 2t and the second half at 2t + 1, so that head h
+    shares keys with head h + H/2; each pair (h, h + 1) turns as one vector at 2t and 2t + 1. ve_gate: this layer's
+    value embedding joins v through a gate of its own (all but the last layer's, whose dense connections gate it)."""
 
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, ve_gate: bool, key_offset: bool, paired: bool,
                  matrix_dtype: torch.dtype = torch.float32):
@@ -666,18 +826,22 @@ class CausalSelfAttention(nn.Module):
         group = 2 if num_heads % 2 == 0 else 1
         self.qk_w = nn.Parameter(torch.zeros(2 * num_heads // group, group * head_dim, model_dim, dtype=matrix_dtype))
         self.vo_w = nn.Parameter(torch.zeros(2, model_dim, model_dim, dtype=matrix_dtype))
-        # Gates, per head: the attention output times sigmoid(w . x[:12]), and (on the layers with one) the value
-        # embedding times 2 sigmoid(w . x[:12]) (records from 2025-12-29), 2 sigmoid(w . (x[:6], ve[:6])) where the
-        # heads attend alone (records from 2026-02-03).
-        gate_inputs = min(GATE_INPUTS, model_dim)
-        self.attn_gate = CastedLinear(gate_inputs, num_heads)
-        self.ve_gate = CastedLinear(gate_inputs, num_heads) if ve_gate else None
+        # Per head, 2 sigmoid(w . (x[:6], ve[:6])) (records from 2026-02-03; on every such layer from 2026-05-27).
+        self.ve_gate = CastedLinear(min(GATE_INPUTS, model_dim), num_heads) if ve_gate else None
 
-    def forward(self, x: Tensor, ve: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
-                cache=None, positions: int | Tensor = 0, restarts: Tensor | None = None) -> Tensor:
-        """lambdas: (on q, k and v's weights, on the output projection's); cache: generation's hook (tools/sample.py),
-        holding this layer's earlier keys and values; positions: x's for the rotary (Rotary.forward); restarts:
-        evaluation's (GPT.trunk)."""
+    def value_input(self, x: Tensor, ve: Tensor) -> Tensor:
+        """The gated value embedding v takes, (1, T, D), from the attention's input x (normed) and its table's rows ve."""
+        half = self.ve_gate.in_features // 2
+        gate = 2 * torch.sigmoid(self.ve_gate(torch.cat([x[..., :half], ve[None, ..., :half]], dim=-1)))
+        return (gate.view(*x.shape[:2], self.num_heads, 1) * ve.view(*x.shape[:2], self.num_heads, -1)).flatten(2)
+
+    def forward(self, x: Tensor, extra_v: Tensor | None, lambdas: Tensor, mask, rotary: Rotary, scale: float,
+                gates: LayerGates, starts: Tensor | None = None, cache=None, positions: int | Tensor = 0,
+                restarts: Tensor | None = None) -> Tensor:
+        """x: the normed input; extra_v (1, T, D): what joins v (value embeddings, dense connections); lambdas: (on q,
+        k and v's weights, on the output projection's); starts: each query's document start (the composition's);
+        cache: generation's hook (tools/sample.py), holding this layer's earlier keys and values; positions: x's for
+        the rotary (Rotary.forward); restarts: evaluation's (GPT.trunk)."""
         B, T, H, D = x.size(0), x.size(1), self.num_heads, self.head_dim
         qkv = F.linear(x, lambdas[0] * torch.cat([self.qk_w.flatten(end_dim=1), self.vo_w[0]]).type_as(x))
         q, k, v = qkv.view(B, T, 3 * H, D).chunk(3, dim=-2)
@@ -693,55 +857,105 @@ class CausalSelfAttention(nn.Module):
             if cache is not None:
                 cache.last_key = k[:, -1:]
             k = offset_keys(k, before, restarts)
-        if ve is not None:
-            v = v + 2 * torch.sigmoid(self.ve_gate(self.ve_gate_input(x, ve))).view(*v.shape[:-1], 1) * ve.view_as(v)
+        if extra_v is not None:
+            v = v + extra_v.view_as(v)
+        own_v = v  # XSA's: this step's values, without a cache's earlier ones
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)
-        y = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H, D)
-        y = y * torch.sigmoid(self.attn_gate(x[..., :self.attn_gate.in_features])).view(B, T, H, 1)
+        y = attend(q, k, v, mask, scale)
+        if gates.composition is not None:
+            y = composed_attention_correction(y, q, k, v, *composition_weights(*gates.composition, x.dtype), starts, scale)
+        y = y.transpose(1, 2).reshape(B, T, H, D)
+        if gates.xsa is not None:
+            y = y - self_value_share(y, own_v, gates.xsa)
+        if gates.output is not None:
+            y = y * gates.output.type_as(y).view(B, T, H, 1)
         return F.linear(y.reshape(B, T, -1), lambdas[1] * self.vo_w[1].type_as(y))
 
-    def ve_gate_input(self, x: Tensor, ve: Tensor) -> Tensor:
-        """What the value-embedding gate reads: x's first dims, or where the heads attend alone, the first half of
-        them beside as many of the value embedding's own."""
-        n = self.ve_gate.in_features
-        return x[..., :n] if self.paired else torch.cat([x[..., :n // 2], ve[..., :n // 2]], dim=-1)
+
+def self_value_share(y: Tensor, v: Tensor, strength: Tensor) -> Tensor:
+    """Gated XSA (arXiv 2603.09078, the records from 2026-04-29): tanh(strength) times each head's output y along its
+    own value v, (y . v / |v|^2) v; y, v (B, T, H, D), strength (B, T, H)."""
+    along = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(XSA_FLOOR)
+    return torch.tanh(strength).type_as(y).view(*y.shape[:3], 1) * along * v
+
+
+def relu_squared_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor]:
+    """(relu(x @ w_up.T)^2 @ w_down, post = relu(x @ w_up.T)^2) in x's dtype."""
+    post = F.relu(F.linear(x, w_up)).square()
+    return F.linear(post, w_down.T), post
+
+
+def relu_squared_backward(grad_post: Tensor, post: Tensor) -> Tensor:
+    """The gradient of pre from post's, post = relu(pre)^2: 2 grad relu(pre), relu(pre) recovered as sqrt(post), in
+    float32, rounded once to grad_post's dtype (the records' kernel from 2026-06-11)."""
+    return (2 * grad_post.float() * post.float().sqrt()).to(grad_post.dtype)
+
+
+class ReluSquaredMLP(torch.autograd.Function):
+    """relu_squared_mlp in bf16, or with the down-projection's FP8 scales (act_scale, down_scale) through e4m3 copies
+    (fp8_mlp_forward); the backward in bf16 from x, the weights and post = relu(pre)^2, as the records' from 2026-06-11
+    (theirs saves neither pre nor an FP8 copy). Returns the output and post (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, act_scale: Tensor | None, down_scale: Tensor | None):
+        if act_scale is None:
+            out, post = relu_squared_mlp(x, w_up, w_down)
+        else:
+            post, out = fp8_mlp_forward(x.flatten(0, -2), w_up, w_down, act_scale, down_scale)
+            post, out = post.view(*x.shape[:-1], -1), out.view(x.shape)
+        ctx.save_for_backward(x, w_up, w_down, post)
+        ctx.mark_non_differentiable(post)
+        return out, post
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, _):
+        x, w_up, w_down, post = ctx.saved_tensors
+        g, post = grad_out.flatten(0, -2), post.flatten(0, -2)
+        grad_pre = relu_squared_backward(g @ w_down.T, post)
+        return (grad_pre @ w_up).view(x.shape), grad_pre.T @ x.flatten(0, -2), post.T @ g, None, None
 
 
 class MLP(nn.Module):
     """Both matrices stored (4 model_dim, model_dim) in matrix_dtype, one row per hidden unit, the down-projection
     applied transposed (the records from 2025-12-11: their draws, and NorMuon's rows); zero until GPT draws the
-    up-projection (draw_matrices)."""
+    up-projection (draw_matrices). With fp8, training runs it in bf16 through FP8 copies (ReluSquaredMLP); its
+    down-projection's scales are state, in checkpoints: act_scale, made by each such forward for the next, and down_scale
+    (next_down_scale after the next step), made by refresh_down_scales after each step. In bf16 its backward is the
+    records' from post (ReluSquaredMLP) with or without FP8."""
 
-    def __init__(self, model_dim: int, matrix_dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dim: int, matrix_dtype: torch.dtype = torch.float32, fp8: bool = False):
         super().__init__()
+        self.fp8 = fp8
         self.c_fc = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
         self.c_proj = nn.Parameter(torch.zeros(4 * model_dim, model_dim, dtype=matrix_dtype))
+        for name in ("act_scale", "down_scale", "next_down_scale"):
+            self.register_buffer(name, torch.ones(()))
+        refresh_down_scales([self.c_proj], [self.down_scale], [self.next_down_scale], bootstrap=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
-        return F.linear(x, self.c_proj.T.type_as(x))
+        if self.fp8 and self.training:
+            out, post = ReluSquaredMLP.apply(x.bfloat16(), self.c_fc.bfloat16(), self.c_proj.bfloat16(), self.act_scale,
+                                             self.down_scale)
+            with torch.no_grad():
+                self.act_scale.copy_(headroom_scale(post.amax(), ACT_SCALE_HEADROOM))
+            return out.type_as(x)
+        w_up, w_down = self.c_fc.type_as(x), self.c_proj.type_as(x)
+        if x.dtype == torch.bfloat16:
+            return ReluSquaredMLP.apply(x, w_up, w_down, None, None)[0]
+        return relu_squared_mlp(x, w_up, w_down)[0]  # in float32, autograd's is the records' gradient: sqrt(r^2) is r
 
 
 class Block(nn.Module):
+    """A layer's attention (None in the attention-free layer) and MLP; GPT.trunk wires them to the stream."""
+
     def __init__(self, model_dim: int, num_heads: int, head_dim: int, has_attention: bool, ve_gate: bool,
-                 key_offset: bool, paired: bool, matrix_dtype: torch.dtype = torch.float32):
+                 key_offset: bool, paired: bool, matrix_dtype: torch.dtype = torch.float32, fp8: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(model_dim, num_heads, head_dim, ve_gate, key_offset, paired, matrix_dtype)
                      if has_attention else None)
-        self.mlp = MLP(model_dim, matrix_dtype)
-
-    def forward(self, x: Tensor, attention_input: Tensor, ve: Tensor | None, resid: Tensor, post: Tensor,
-                injected: Tensor | None, attn_lambdas: Tensor, mask, rotary: Rotary, scale: float, cache,
-                positions: int | Tensor, restarts: Tensor | None) -> Tensor:
-        """Each sub-layer scales the stream by resid and adds its output times post (per attention, MLP: the records
-        from 2026-02-12); injected (the embeddings' and the bigram's shares) joins after attention. attention_input:
-        what the attention reads, the stream itself or an earlier state of it (GPT.trunk)."""
-        if self.attn is not None:
-            y = self.attn(norm(attention_input), ve, attn_lambdas, mask, rotary, scale, cache, positions, restarts)
-            x = resid[0] * x + post[0] * y + injected
-        return resid[1] * x + post[1] * self.mlp(norm(x))
+        self.mlp = MLP(model_dim, matrix_dtype, fp8)
 
 
 def u_layers(num_layers: int) -> tuple[int, int]:
@@ -775,10 +989,9 @@ def skip_partner(num_layers: int, layer: int) -> int:
     return depth - 1 - (layer + cut) - cut
 
 
-def skip_receivers(num_layers: int) -> range:
-    """The decoder layers that can take a U-net skip: those whose partner is a layer of the model."""
-    depth, cut = u_layers(num_layers)
-    return range(depth // 2 - cut, depth - 2 * cut)
+def skip_source(num_layers: int) -> int:
+    """The layer whose output the attention-free layer adds (the records' one skip, 3 into 6 at 11 layers)."""
+    return skip_partner(num_layers, attention_free_layer(num_layers))
 
 
 def long_window_layers(num_layers: int) -> list[bool]:
@@ -791,9 +1004,6 @@ def long_window_layers(num_layers: int) -> list[bool]:
 # Validation's loss this many positions at a time: its float32 logits take 1.6 GB whatever val_seq_len
 # is, where the record's 262,144 positions would need 53 GB at once.
 EVAL_LOSS_CHUNK = 8192
-
-
-LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
 
 
 def chunked_eval_loss(xn: Tensor, w: Tensor, targets: Tensor, cap: float, offset: float) -> Tensor:
@@ -819,93 +1029,116 @@ def targets_ahead(targets: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return ahead, torch.arange(T, device=targets.device)[:, None] + torch.arange(n, device=targets.device) < T
 
 
-LOSS_BLOCK = 2048  # the columns the record's fused loss kernel takes at a time in its log-sum-exp
+def prefix_table(ranks: dict[bytes, int], size: int) -> Tensor:
+    """(size,) int64: for each token id below size, the token whose bytes are the longest proper prefix of its bytes
+    among the tokens below size (ranks: bytes -> id, tiktoken's); -1 where none, and for ids no bytes have (EOT, the
+    padding). The prefix token's loss term (the record's from 2026-07-13) aims at it."""
+    table = [-1] * size
+    for token, i in ranks.items():
+        if i < size:
+            shorter = (ranks.get(token[:n], size) for n in range(len(token) - 1, 0, -1))
+            table[i] = next((j for j in shorter if j < size), -1)
+    return torch.tensor(table, dtype=torch.int64)
+
+
 INV_SPREAD = float32(np.float32(1) / np.float32(LOGIT_SOFTCAP_SPREAD))  # the kernel's 1 / 7.5 in float32 (correctly
-# rounded; Triton's division on the GPU may differ by an ulp)
+# rounded; the kernel's fast-math division on the GPU may differ by an ulp)
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # the kernel's conversion to e5m2 saturates here (torch's would give inf)
 
 
-def kernel_softcap(logits: Tensor, cap: float, offset: float) -> tuple[Tensor, Tensor]:
-    """(cap s, s), s = sigmoid(z / 7.5 + offset / 7.5) in float32 as the fused kernel writes it: 1 / (1 + exp(-u)), both
-    divisions products with 7.5's float32 reciprocal (the records from 2026-02-02)."""
+def kernel_sigmoid(logits: Tensor, offset: float) -> Tensor:
+    """s = sigmoid(z / 7.5 + offset / 7.5) in float32 as the fused kernel makes it (the records from 2026-04-04): 0.5 +
+    tanh(u / 2) / 2, both divisions by 7.5 products with its float32 reciprocal."""
     u = logits.float() * INV_SPREAD + float32(np.float32(offset) * np.float32(INV_SPREAD))
-    s = 1 / (1 + torch.exp(-u))
-    return cap * s, s
+    return 0.5 + torch.tanh(u * 0.5) * 0.5
 
 
-def blockwise_logsumexp(z: Tensor) -> Tensor:
-    """Each row's log-sum-exp as the fused kernel makes it: over blocks of LOSS_BLOCK columns in order, the running sum
-    rescaled to the running maximum, then each block's sum of exp(z - that maximum) added."""
-    rows, cols = z.shape
-    blocks = -(-cols // LOSS_BLOCK)
-    z = F.pad(z, (0, blocks * LOSS_BLOCK - cols), value=float("-inf")).view(rows, blocks, LOSS_BLOCK)
-    running_max = z.amax(dim=-1).cummax(dim=-1).values
-    sums = torch.exp(z - running_max[..., None]).sum(dim=-1)
-    total = sums[:, 0]
-    for b in range(1, blocks):
-        total = total * torch.exp(running_max[:, b - 1] - running_max[:, b]) + sums[:, b]
-    return running_max[:, -1] + torch.log(total)
+def loss_terms(targets: Tensor, weights: Tensor, prefix_targets: Tensor | None,
+               prefix_weight: Tensor | None) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Each position's cross-entropy terms in the kernel's order, as (column (T, 1), valid (T,), weight): the next
+    len(weights) targets (multi-token prediction), then the prefix token of the next target where it has one."""
+    ahead, valid = targets_ahead(targets, weights.numel())
+    terms = [(ahead[:, k:k + 1], valid[:, k], weights[k]) for k in range(weights.numel())]
+    if prefix_targets is not None:
+        terms.append((prefix_targets.clamp_min(0)[:, None], prefix_targets >= 0, prefix_weight.reshape(())))
+    return terms
 
 
 class SoftcappedLoss(torch.autograd.Function):
-    """Training's lm_head and loss as the records from 2026-01-24 compute them (their fused kernel's math, in PyTorch):
-    the logits x @ w^T (FP8, fp8_mm, given fp8_scales (x_s, w_s, grad_s)); each position's cross-entropies against the
-    next len(weights) targets of the float32 softcapped logits, weighted and summed in order (multi-token prediction,
-    records from 2025-12-22). The logits' gradient is made in float32 from the saved logits and log-sum-exps in the
-    kernel's order of operations, divided by grad_s and rounded once: to e5m2 with FP8, else to the logits' dtype."""
+    """Training's lm_head and loss as the records from 2026-04-04 compute them (their fused CUDA kernel's math, in
+    PyTorch): the logits x @ w^T (FP8, fp8_mm, given fp8_scales (x_s, w_s, grad_s)); s = kernel_sigmoid, kept in the
+    logits' dtype (bf16 in the records); the log-sum-exp of cap s about the largest cap s before that rounding; each
+    position's weighted cross-entropies (loss_terms: the next targets, then, given prefix_targets (T,), the prefix
+    token at prefix_weight, from 2026-07-13) summed in order. The logits' gradient is made in float32 from the saved s
+    and log-sum-exps in the kernel's order of operations, its softmax part weighted by every weight (a multi-token
+    target past the end's too), divided by grad_s and rounded once: to e5m2 with FP8, else to the logits' dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, cap: float, offset: float,
-                fp8_scales: tuple[float, float, float] | None = None) -> Tensor:
+                fp8_scales: tuple[float, float, float] | None = None, prefix_targets: Tensor | None = None,
+                prefix_weight: Tensor | None = None) -> Tensor:
         if fp8_scales is None:
             w = w.type_as(x)
             logits = F.linear(x, w)
         else:
             logits, x, w = fp8_mm(x, w, *fp8_scales[:2])  # the matmul's operands as the backward takes them: in e4m3
-        z = kernel_softcap(logits, cap, offset)[0]
-        lse = blockwise_logsumexp(z)
-        ahead, valid = targets_ahead(targets, weights.numel())
+        s = kernel_sigmoid(logits, offset)
+        row_max = (cap * s).amax(dim=-1)
+        kept = rounded_to(s, logits.dtype)  # the kernel stores s in the logits' dtype
+        s, z = kept.to(logits.dtype), cap * kept
+        lse = row_max + torch.log(torch.exp(z - row_max[:, None]).sum(dim=-1))
+        terms = loss_terms(targets, weights, prefix_targets, prefix_weight)
         losses = torch.zeros_like(lse)
+        for column, valid, weight in terms:
+            losses = losses + torch.where(valid, weight * (lse - z.gather(1, column)[:, 0]), 0)
+        # The softmax's weight: the prefix term's where it has one, then every multi-token weight, as the kernel adds.
+        weight_sum = (torch.zeros_like(lse) if prefix_targets is None else
+                      torch.where(prefix_targets >= 0, prefix_weight.reshape(()), 0))
         for k in range(weights.numel()):
-            losses = losses + torch.where(valid[:, k], weights[k] * (lse - z.gather(1, ahead[:, k:k + 1])[:, 0]), 0)
-        ctx.save_for_backward(logits, lse, targets, weights, x, w)
-        ctx.cap, ctx.offset, ctx.fp8_scales = cap, offset, fp8_scales
+            weight_sum = weight_sum + weights[k]
+        ctx.save_for_backward(s, lse, weight_sum, targets, weights, prefix_targets, prefix_weight, x, w)
+        ctx.cap, ctx.fp8_scales = cap, fp8_scales
         return losses
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, lse, targets, weights, x, w = ctx.saved_tensors
+        s, lse, weight_sum, targets, weights, prefix_targets, prefix_weight, x, w = ctx.saved_tensors
         fp8 = ctx.fp8_scales is not None
         grad_s = ctx.fp8_scales[2] if fp8 else 1.0
-        z, s = kernel_softcap(logits, ctx.cap, ctx.offset)
-        # The kernel's factors of each row, in float32: the loss's gradient / grad_s, times cap / 7.5.
+        # The kernel's factors of each row, in float32: the loss's gradient times cap / 7.5, then 1 / grad_s.
         inv_grad_s, cap_spread = float32(np.float32(1) / np.float32(grad_s)), float32(np.float32(INV_SPREAD) * np.float32(ctx.cap))
-        row_scale = (grad * inv_grad_s * cap_spread)[:, None]
-        ahead, valid = targets_ahead(targets, weights.numel())
-        weight_sum = torch.zeros_like(lse)
-        for k in range(weights.numel()):
-            weight_sum = weight_sum + torch.where(valid[:, k], weights[k], 0)
-        scaled_softmax = weight_sum[:, None] * torch.exp(z - lse[:, None])
-        grad_logits = row_scale * scaled_softmax * s * (1 - s)
-        # At each target, the weights of every k aiming there taken away, summed in k's order, as the kernel does.
-        for k in range(weights.numel()):
-            column = ahead[:, k:k + 1]
+        row_scale = (grad * cap_spread * inv_grad_s)[:, None]
+        sf = rounded_to(s.float(), s.dtype)  # rounded even if the compiler recomputes s
+        scaled_softmax = weight_sum[:, None] * torch.exp(ctx.cap * sf - lse[:, None])
+        grad_logits = row_scale * scaled_softmax * sf * (1 - sf)
+        # At each term's column, the weights of every term aiming there taken away, summed in the terms' order.
+        terms = loss_terms(targets, weights, prefix_targets, prefix_weight)
+        for column, valid, _ in terms:
             aimed = torch.zeros_like(lse)
-            for j in range(weights.numel()):
-                aimed = aimed + torch.where(valid[:, j] & (ahead[:, j] == column[:, 0]), weights[j], 0)
-            s_at = s.gather(1, column)
+            for other, other_valid, weight in terms:
+                aimed = aimed + torch.where(other_valid & (other[:, 0] == column[:, 0]), weight, 0)
+            s_at = sf.gather(1, column)
             at = row_scale * (scaled_softmax.gather(1, column) - aimed[:, None]) * s_at * (1 - s_at)
-            grad_logits.scatter_(1, column, torch.where(valid[:, k:k + 1], at, grad_logits.gather(1, column)))
+            grad_logits.scatter_(1, column, torch.where(valid[:, None], at, grad_logits.gather(1, column)))
         if fp8:
-            grad_x, grad_w = fp8_mm_backward(grad_logits.to(torch.float8_e5m2), x, w, *ctx.fp8_scales)
+            grad_x, grad_w = fp8_mm_backward(grad_logits.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2), x, w,
+                                             *ctx.fp8_scales)
         else:
-            grad_logits = grad_logits.to(logits.dtype)
+            grad_logits = grad_logits.to(s.dtype)
             grad_x, grad_w = grad_logits.mm(w), grad_logits.t().mm(x)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 RESIDUAL_LAMBDA_INIT = 1.1**0.5  # each sub-layer scales the stream by this before adding its output, 1.1 a layer (from 2026-02-12)
 HEAD_INIT_STD = 0.005  # the lm_head starts normal with this std (records from 2025-12-19)
 VE_INIT_STD = 0.01  # the value embeddings start normal with this std (records from 2026-02-03; zero before)
+COEFFICIENT_NET_WIDTH = 64  # hidden width of the dense connections' and the gates' coefficient networks (2026-04-22, 05-27)
+MUDD_SCALE = 0.1  # the dense connections' coefficients: their network's output times this (2026-04-22)
+GATE_NETS_SCALE_INIT = 0.1  # the gate networks' output times a learned scale starting here (2026-05-27)
+# Effective initial coefficients (the networks start at their biases): the output gates', the bigram's share, the skip's
+# gate, the composition's first weighting, the last layer's value-embedding gate, the backout's share after the loop.
+OUTPUT_GATE_INIT, BIGRAM_INIT, SKIP_GATE_INIT, COMPOSITION_W1_INIT = 0.25, 0.05, 0.5, 1.0
+MUDD_VE_GATE_INIT, BACKOUT_INIT = 2.0, -0.5
 
 
 def draw_matrices(blocks: nn.ModuleList, model_dim: int):
@@ -921,6 +1154,67 @@ def draw_matrices(blocks: nn.ModuleList, model_dim: int):
         torch.empty(up[0].shape).uniform_()
 
 
+class CoefficientNets(nn.Module):
+    """Two small networks that make per-token coefficients from a stream state x: (gelu(x w1^T) w2^T + b2) times scale
+    (the 2026-04-22 record's dense connections, the 2026-05-27 record's gate networks); biases start at init / scale,
+    so each coefficient starts at its init. w1 drawn as nn.Linear's (kaiming uniform), w2 zero; scale fixed, or
+    learned (a 0-d float32 parameter) if learned_scale."""
+
+    def __init__(self, model_dim: int, inits: tuple[list[float], list[float]], scale: float, learned_scale: bool):
+        super().__init__()
+        width = max(map(len, inits))
+        self.num_coefficients = tuple(map(len, inits))
+        self.w1 = nn.Parameter(torch.empty(2, COEFFICIENT_NET_WIDTH, model_dim))
+        for j in range(2):
+            nn.init.kaiming_uniform_(self.w1.data[j], a=math.sqrt(5))
+        self.w2 = nn.Parameter(torch.zeros(2, width, COEFFICIENT_NET_WIDTH))
+        # init / scale in double precision, then float32 (the record's Python floats)
+        self.b2 = nn.Parameter(torch.tensor([[v / scale for v in init] + [0.0] * (width - len(init)) for init in inits]))
+        self.scale = nn.Parameter(torch.tensor(scale)) if learned_scale else scale
+
+    def forward(self, x: Tensor, net: int) -> Tensor:
+        n = self.num_coefficients[net]
+        hidden = F.gelu(F.linear(x, self.w1[net]))
+        scale = self.scale.type_as(x) if isinstance(self.scale, Tensor) else self.scale
+        return (F.linear(hidden, self.w2[net, :n]) + self.b2[net, :n]) * scale
+
+
+def gate_layouts(num_layers: int, num_heads: int, xsa_layers: tuple) -> tuple[dict, dict]:
+    """Which coefficients the two gate networks make ({name: slice}), in the 2026-05-27 record's order. The first, from
+    x0, serves the layers up to the skip's source: XSA strengths, the source's output gate, each layer's x0 and bigram
+    shares. The second, from the source's output, the layers after it: XSA, the last layer's output gate, the x0 and
+    bigram shares up to the last layer, the skip's gate, the last layer's composition weights."""
+    source, no_attention = skip_source(num_layers), attention_free_layer(num_layers)
+    first, second = range(source + 1), [i for i in range(source + 1, num_layers - 1) if i != no_attention]
+    layouts = []
+    for layers, gated, tail in ((first, source, ()), (second, num_layers - 1,
+                                                       (("skip", 1), ("w1", num_heads), ("w2", num_heads)))):
+        sizes = [(("xsa", i), num_heads) for i in layers if i in xsa_layers] + [(("output", gated), num_heads)]
+        sizes += [((kind, i), 1) for i in layers for kind in ("x0", "bigram")] + list(tail)
+        ends = list(itertools.accumulate(size for _, size in sizes))
+        layouts.append({name: slice(end - size, end) for (name, size), end in zip(sizes, ends)})
+    return layouts[0], layouts[1]
+
+
+def gate_inits(layout: dict) -> list[float]:
+    """Each coefficient's initial value in a gate layout."""
+    inits = dict(output=OUTPUT_GATE_INIT, bigram=BIGRAM_INIT, skip=SKIP_GATE_INIT, w1=COMPOSITION_W1_INIT)
+    values = [0.0] * max(s.stop for s in layout.values())
+    for name, lanes in layout.items():
+        values[lanes] = [inits.get(name if isinstance(name, str) else name[0], 0.0)] * (lanes.stop - lanes.start)
+    return values
+
+
+# The dense connections at the last layer (2026-04-22 and HEAD): v's sources (x at layer 0, after the backout layer, the
+# last layer's input), the stream's recombination of them, the value embedding's 2-lane gate, the layer's own stream
+# factors (resid, post after attention; x0's, bigram's shares; resid, post after the MLP); after the loop, 5 more.
+MUDD_LAST_LAYER = ("v0", "v_backout", "v_x", "x0_state", "backout_state", "x_self", "ve0", "ve1", "resid_attn",
+                   "post_attn", "x0", "bigram", "resid_mlp", "post_mlp")
+MUDD_LAST_LAYER_INITS = dict(ve0=MUDD_VE_GATE_INIT, ve1=MUDD_VE_GATE_INIT, resid_attn=RESIDUAL_LAMBDA_INIT,
+                             post_attn=1.0, bigram=BIGRAM_INIT, resid_mlp=RESIDUAL_LAMBDA_INIT, post_mlp=1.0)
+MUDD_AFTER_LOOP = ("state0", "backout", "last_input", "value_embed", "skip_source")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """What a GPT is built from; gpt_config() makes it from the hyperparameters and the device plan, in one place."""
@@ -934,59 +1228,60 @@ class GPTConfig:
     window_unit: int = BLOCK_SIZE  # tokens per window unit
     attention_scale: float = 0.1  # the softmax scale at the first window
     attention_scale_growth: float = 0.2  # each new window multiplies the scale by 1 + this x ln(new / previous)
-    skip_layers: tuple | None = None  # decoder layers that add their mirror encoder layer's output; None: every one
-    backout_layer: int = -1  # the layer whose output is partly taken out before the lm_head, and later layers attend over; -1: none
+    backout_layer: int = 7  # the layers after it attend over the stream it leaves (records from 2026-03-06), a source of the last layer's dense connections (from 2026-04-22)
     paired_layers: tuple = ()  # layers whose heads attend in pairs over a sequence twice as long
+    xsa_layers: tuple = ()  # layers whose heads take out a gated share of their output along their own value (XSA)
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5)
     logit_offset: float = LOGIT_OFFSET
     dtype: torch.dtype = torch.float32  # every parameter but the scalars, and the rotary tables
     attention_backend: str = "sdpa"  # flex: FlexAttention block masks; sdpa: the same masks, dense
-    fp8: bool = False  # the lm_head's training matmul in FP8
+    fp8: bool = False  # the lm_head's and the MLPs' training matmuls in FP8
     loss_scale: float = LOSS_SCALE  # training's factor on each micro-batch's loss (loss_scale()), in FP8's grad scale too
 
 
+def check_structure(c: GPTConfig):
+    """A ValueError unless the config's layers fit the record's structure (GPT's docstring)."""
+    L = c.num_layers
+    if L < 4 or c.num_heads % 2:
+        raise ValueError(f"num_layers must be >= 4 and num_heads even (the last layer's 2-lane value-embedding gate), "
+                         f"got {L} and {c.num_heads}")
+    if not skip_source(L) < c.backout_layer < L - 1:
+        raise ValueError(f"backout_layer must lie between the skip's source {skip_source(L)} and the last layer "
+                         f"{L - 1}, got {c.backout_layer}")
+    long, no_attention = long_window_layers(L), attention_free_layer(L)
+    if any(i == no_attention or long[i] for i in c.paired_layers):
+        raise ValueError(f"paired_layers={','.join(map(str, c.paired_layers))}: layers with attention and without the "
+                         f"key offset (not the long-window layers {[i for i, b in enumerate(long) if b]})")
+    if any(i in c.paired_layers or i in (no_attention, L - 1) or not 0 <= i < L for i in c.xsa_layers):
+        raise ValueError(f"xsa_layers={','.join(map(str, c.xsa_layers))}: layers with attention, heads alone, not "
+                         f"the last")
+
+
 class GPT(nn.Module):
-    """The U-net GPT (an odd depth: the U one layer deeper without its layer 0), modules registered in forward order:
-    reversed(parameters()) is about the order in which gradients become ready, which the buckets follow (a bucket
-    waits for its last, whichever that is). The input embedding starts as a copy of the lm_head, and the training
-    keeps it one until the untie (Trainer.tie_embedding; the records from 2025-12-19). A hashed bigram embedding,
-    BIGRAM_ROWS_PER_TOKEN rows a vocabulary entry, joins the stream (the records from 2026-01-19): before layer 0,
-    and with x0 after each later attention (GPT.trunk)."""
+    """The U-net GPT of the records (an odd depth: the U one layer deeper without its layer 0) as HEAD computes it:
+    one attention-free layer, which adds the skip's source's output (skip_source) through a gate; the layers past the
+    backout layer attend over the stream that layer left; per-token gate networks (CoefficientNets) make the XSA
+    strengths, output gates, skip gate, x0's and the bigram embedding's shares, and the composition's weights; dense
+    connections (MUDD) make the last layer's stream factors and v from earlier states, and recombine the stream after
+    the loop. Modules registered in forward order: reversed(parameters()) is about the order in which gradients
+    become ready, which the buckets follow. The input embedding starts as a copy of the lm_head, and the training keeps
+    it one until the untie (Trainer.tie_embedding)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         c = config
-        L, D = c.num_layers, c.model_dim
-        if L < 2:
-            raise ValueError(f"num_layers must be >= 2, got {L}")
-        if not -1 <= c.backout_layer < L:
-            raise ValueError(f"backout_layer must be a layer below num_layers={L}, or -1 for none; got {c.backout_layer}")
+        check_structure(c)
+        L, D, H = c.num_layers, c.model_dim, c.num_heads
         self.vocab_size, self.num_layers, self.max_seq_len = c.vocab_size, L, c.max_seq_len
-        self.attention_backend = c.attention_backend
+        self.attention_backend, self.backout_layer = c.attention_backend, c.backout_layer
         self.ve_layout = value_embedding_layout(L)
         self.long_window = long_window_layers(L)
+        self.paired = [i in c.paired_layers for i in range(L)]
+        self.xsa_layers, self.skip_source = c.xsa_layers, skip_source(L)
         no_attention = attention_free_layer(L)
         padded_vocab = next_multiple(c.vocab_size, 128)  # embeddings and lm_head; the extra rows never see a token
-        # Built in the record's order of random draws, registered below in forward order. The smear's and the skip's
-        # gates start at zero after a draw the record discards (its nn.Linear's, from 2026-01-18).
-        gate_inputs = min(GATE_INPUTS, D)  # the gates read the first dims of their input
-        smear_gate, skip_gate = CastedLinear(gate_inputs, 1), CastedLinear(gate_inputs, 1)
-        for gate in (smear_gate, skip_gate):
-            torch.empty(gate.weight.shape).uniform_()
-        # The value-embedding tables, one parameter (tables x padded_vocab, D), drawn in the run's dtype, then scaled
-        # in it (records from 2026-02-03).
-        self.ve_tables = sum(t is not None for t in self.ve_layout)
-        value_embeds = (nn.Parameter(VE_INIT_STD * torch.randn(self.ve_tables * padded_vocab, D, dtype=c.dtype))
-                        if self.ve_tables else None)
-        self.paired = [i in c.paired_layers for i in range(L)]
-        if any(self.paired[i] and (i == no_attention or self.long_window[i] or c.num_heads % 2) for i in range(L)):
-            raise ValueError(f"paired_layers={','.join(map(str, c.paired_layers))}: pairs of heads (an even number) in "
-                             f"layers with attention and without the key offset (not the long-window layers "
-                             f"{[i for i, long in enumerate(self.long_window) if long]})")
-        blocks = nn.ModuleList(Block(D, c.num_heads, c.head_dim, i != no_attention, self.ve_layout[i] is not None,
-                                     self.long_window[i], self.paired[i], c.dtype)
-                               for i in range(L))
-        draw_matrices(blocks, D)
+        # Built in HEAD's order of random draws, registered below in forward order; modules that start at zero after a
+        # draw the record discards (its nn.Linear's and nn.Embedding's) draw it here too.
         self.logit_cap, self.logit_offset = c.logit_cap, c.logit_offset
         x_s, w_s, grad_s = LM_HEAD_FP8_SCALES
         self.fp8_scales = (x_s, w_s, c.loss_scale * grad_s) if c.fp8 else None  # the lm_head's in training
@@ -996,115 +1291,168 @@ class GPT(nn.Module):
         embed = nn.Embedding(padded_vocab, D)
         with torch.no_grad():  # the record's copy of the lm_head, after the draw it discards
             embed.weight.copy_(lm_head.weight)
-        # A token's bigram (hashed with the one before) looks up a row added to the stream (records from
-        # 2026-01-19); drawn, then zeroed, as the record's. Its gradient is complete after the embedding's.
-        self.bigram_embed = nn.Embedding(BIGRAM_ROWS_PER_TOKEN * padded_vocab, D)
+        # The value-embedding tables, one parameter (tables x padded_vocab, D), drawn in the run's dtype.
+        self.ve_tables = sum(t is not None for t in self.ve_layout)
+        value_embeds = nn.Parameter(VE_INIT_STD * torch.randn(self.ve_tables * padded_vocab, D, dtype=c.dtype))
+        blocks = nn.ModuleList(Block(D, H, c.head_dim, i != no_attention, self.ve_layout[i] is not None and i < L - 1,
+                                     self.long_window[i], self.paired[i], c.dtype, c.fp8)
+                               for i in range(L))
+        draw_matrices(blocks, D)
+        smear_gate = CastedLinear(GATE_INPUTS, 1)
+        torch.empty(smear_gate.weight.shape).uniform_()
+        # A token's bigram (hashed with the one before) looks up a row (records from 2026-01-19), times a fixed random
+        # sign row (from 2026-05-20); the table drawn, then zeroed, as the record's.
+        bigram_embed = nn.Embedding(int(BIGRAM_ROWS_PER_TOKEN * padded_vocab), D)
         with torch.no_grad():
-            self.bigram_embed.weight.zero_()
-        self.embed, self.smear_gate = embed, smear_gate
-        self.register_parameter("value_embeds", value_embeds)
-        # Scalars, one Adam tensor: per layer attention's (q k v, output) lambdas, the smear's, the backout's, the skips'.
-        # The stream's lambdas (Block.forward) are tensors of their own: the records' Adam treats them apart.
-        self.backout_layer = c.backout_layer
-        self.num_skip_weights = len(skip_receivers(L))
-        self.smear_index = 2 * L
-        self.backout_index = self.smear_index + 1
-        self.scalars = nn.Parameter(torch.cat([
-            torch.tensor([0.5, 1.0]).repeat(L),
-            torch.zeros(1),
-            torch.full((int(c.backout_layer >= 0),), BACKOUT_LAMBDA_INIT),
-            torch.full((self.num_skip_weights,), SKIP_GATE_INIT),
-        ]))
+            bigram_embed.weight.zero_()
+        self.register_buffer("bigram_signs", torch.randn(BIGRAM_SIGN_ROWS, D).sign().to(c.dtype))
+        mudd_inits = [MUDD_LAST_LAYER_INITS.get(name, 0.0) for name in MUDD_LAST_LAYER]
+        after_loop_inits = [BACKOUT_INIT if name == "backout" else 0.0 for name in MUDD_AFTER_LOOP]
+        mudd = CoefficientNets(D, (mudd_inits, after_loop_inits), MUDD_SCALE, learned_scale=False)
+        self.gate_layouts = gate_layouts(L, H, c.xsa_layers)
+        gates = CoefficientNets(D, tuple(map(gate_inits, self.gate_layouts)), GATE_NETS_SCALE_INIT, learned_scale=True)
+        self.embed, self.smear_gate, self.bigram_embed, self.value_embeds = embed, smear_gate, bigram_embed, value_embeds
+        # Scalars, one Adam tensor: per layer attention's (q k v, output) lambdas, the smear's, the skip's.
+        self.scalars = nn.Parameter(torch.cat([torch.tensor([0.5, 1.0]).repeat(L), torch.zeros(1),
+                                               torch.full((1,), SKIP_LAMBDA_INIT)]))
         self.resid_lambdas = nn.Parameter(torch.full((L, 2), RESIDUAL_LAMBDA_INIT))
         self.post_lambdas = nn.Parameter(torch.ones(L, 2))
-        self.x0_lambdas = nn.Parameter(torch.zeros(L))
-        self.bigram_lambdas = nn.Parameter(torch.full((L,), BIGRAM_LAMBDA_INIT))
-        self.skip_gate = skip_gate
-        self.blocks = blocks
-        # U-net skips: decoder layer i adds skip_partner(i)'s output, weighted by skip weight i - (first decoder layer).
-        decoder = skip_receivers(L)
-        self.skip_layers = tuple(decoder) if c.skip_layers is None else tuple(c.skip_layers)
-        if any(i not in decoder for i in self.skip_layers):
-            raise ValueError(f"skip_layers must be among the decoder layers {decoder.start}..{decoder.stop - 1} (the "
-                             f"others have no partner), got {','.join(map(str, self.skip_layers))}")
+        self.gates, self.blocks, self.mudd = gates, blocks, mudd
         self.window_unit = c.window_unit
         self.rotary = Rotary(c.head_dim, c.max_seq_len, c.window_unit, c.dtype)
         self.attention_scales = attention_scales(c.windows, c.attention_scale, c.attention_scale_growth)
         self.lm_head = lm_head
-        for table in [self.embed, self.bigram_embed]:
-            table.to(c.dtype)
-        for module in self.modules():  # the lm_head and the gates
-            if isinstance(module, CastedLinear):
+        # Each token's prefix token (prefix_table()), which training's loss also predicts; -1 everywhere until a run
+        # gives it one (Trainer): no prefix term. Not a weight: checkpoints leave it out.
+        self.register_buffer("prefix_table", torch.full((padded_vocab,), -1, dtype=torch.int64), persistent=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Embedding, CastedLinear)):
                 module.to(c.dtype)
+        for p in (mudd.w1, mudd.w2, mudd.b2, gates.w1, gates.w2, gates.b2):
+            p.data = p.data.to(c.dtype)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window: int, long_window: int | None = None,
-                mtp_weights: Tensor | None = None) -> Tensor:
+                mtp_weights: Tensor | None = None, prefix_weight: Tensor | None = None) -> Tensor:
         """input_seq, target_seq: (T,) tokens; window: the long window in window units (long_window, if given, widens
         the long layers' alone). Training returns the summed loss (SoftcappedLoss; mtp_weights: each position's next
-        targets' weights, the next one's alone if None), eval the mean (chunked_eval_loss)."""
+        targets' weights, the next one's alone if None; prefix_weight: the weight of the next target's prefix token
+        (prefix_table), no such term if None), eval the mean (chunked_eval_loss)."""
         x = self.trunk(input_seq, window, long_window=long_window)
         if not self.training:
             return chunked_eval_loss(norm(x[0]), self.lm_head.weight.type_as(x), target_seq, self.logit_cap,
                                      self.logit_offset) / target_seq.numel()
         weights = torch.ones(1, device=x.device) if mtp_weights is None else mtp_weights
+        prefix_targets = None if prefix_weight is None else self.prefix_table[target_seq]
         return SoftcappedLoss.apply(norm(x).view(-1, x.size(-1)), self.lm_head.weight, target_seq, weights,
-                                    self.logit_cap, self.logit_offset, self.fp8_scales).sum()
+                                    self.logit_cap, self.logit_offset, self.fp8_scales, prefix_targets,
+                                    prefix_weight).sum()
 
     def trunk(self, tokens: Tensor, window: int, masks: tuple | None = None, cache=None,
               long_window: int | None = None, restarts: Tensor | None = None) -> Tensor:
-        """The final residual stream (1, T, D) of tokens (T,) at a long window of window units. Generation's hooks
-        (tools/sample.py): masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block.
-        restarts (T,) bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0,
-        the smear passing nothing into it (with an EOT there, attention already stops)."""
-        L, S = self.num_layers, self.num_skip_weights
-        attn_lambdas = self.scalars[:2 * L].view(L, 2)
-        skip_weights = self.scalars[self.scalars.numel() - S:]
+        """The final residual stream (1, T, D) of tokens (T,) at a long window of window units, in HEAD's order of
+        operations (which sets the order in which shared tensors' gradients sum). Generation's hooks (tools/sample.py):
+        masks, attention_masks() rows for these positions; cache, a KV cache with a layer per block. restarts (T,)
+        bool, evaluation's (tools/evaluate.py): where a sequence of its own starts, as if at position 0, the smear
+        passing nothing into it (with an EOT there, attention already stops)."""
+        L, source = self.num_layers, self.skip_source
+        seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
         masks = masks or attention_masks(tokens, window, self.attention_backend, unit=self.window_unit,
                                          long_window=long_window, paired=any(self.paired))
-        scale = self.attention_scales[window]
-        ve = (self.value_embeds.view(self.ve_tables, -1, self.value_embeds.size(1))[:, tokens]
-              if self.ve_tables else None)
         positions = 0 if cache is None else len(cache)
         if restarts is not None:
             if cache is not None:
                 raise ValueError("restarts are for whole sequences: not with a cache")
             index = torch.arange(tokens.numel(), device=tokens.device)
             positions = index - torch.where(restarts, index, 0).cummax(0).values
-        # Generation's new tokens are hashed after the cached ones.
-        seen = tokens if cache is None or not len(cache) else torch.cat([cache.tokens, tokens])
-        bigram = self.bigram_embed(bigram_ids(seen, self.bigram_embed.num_embeddings, restarts)[-tokens.numel():])[None]
+        ve = self.value_embeds.view(self.ve_tables, -1, self.value_embeds.size(1))[:, tokens]
+        ve = [None if t is None else ve[t] for t in self.ve_layout]  # each table's rows selected once
+        bigram = self.bigram_embeddings(seen, restarts)[-tokens.numel():][None]
         x = self.smear(self.embed(tokens), self.embed(cache.tokens[-1:]) if cache is not None and len(cache) else None,
                        restarts)
         x = x0 = norm(x[None])
-        # The stream's lambdas in its dtype, as the records multiply them (from 2026-02-12).
-        resid, post, x0_lambdas, bigram_lambdas = (lambdas.type_as(x) for lambdas in (
-            self.resid_lambdas, self.post_lambdas, self.x0_lambdas, self.bigram_lambdas))
-        x = x + bigram * bigram_lambdas[0]  # the bigram embedding: once here, then after each later layer's attention
-        # What joins the stream after each attention, then the skips' x0 gate, all made before the layers, as the record
-        # makes them: x0's gradient then sums its terms in the record's order.
-        injected = {i: x0 * x0_lambdas[i] + bigram * bigram_lambdas[i] if i else x0 * x0_lambdas[i]
-                    for i in range(L) if self.blocks[i].attn is not None}
-        # sigmoid(w) (records from 2025-09-11) times 2 sigmoid(v . x0[:12]) (records from 2025-12-29)
-        x0_gate = torch.sigmoid(self.skip_gate(x0[..., :self.skip_gate.in_features])) if self.skip_layers else None
-        skips, backout = {}, None
-        partners = {skip_partner(L, i): i for i in self.skip_layers}
-        first_decoder = skip_receivers(L).start
+        gates = self.unpack_gates(0, x0)
+        x = x0 + bigram * gates["bigram", 0]
+        states = {0: x}  # the stream before layer 0, after the skip's source and the backout layer: later layers read them
+        run = dict(masks=masks, scale=self.attention_scales[window], starts=document_starts(seen, restarts)[-tokens.numel():],
+                   cache=cache, positions=positions, restarts=restarts)
         for i in range(L):
-            if i in self.skip_layers:
-                x = x + torch.sigmoid(skip_weights[i - first_decoder]) * 2 * x0_gate * skips.pop(i)
-            layer_ve = ve[self.ve_layout[i]][None] if self.ve_layout[i] is not None else None
-            # Past the backout layer, attention reads the stream as that layer left it (records from 2026-03-06).
-            x = self.blocks[i](x, x if backout is None else backout, layer_ve, resid[i], post[i], injected.get(i),
-                               attn_lambdas[i], masks[self.paired[i], self.long_window[i]], self.rotary, scale,
-                               None if cache is None else cache.layers[i], positions, restarts)
-            if i in partners:
-                skips[partners[i]] = x
-            if i == self.backout_layer:
-                backout = x
-        if backout is not None:
-            # The record's backout: what the layers up to it wrote, needed as context downstream, taken out of the prediction.
-            x = x - self.scalars[self.backout_index] * backout
-        return x
+            if i == source + 1:
+                gates |= self.unpack_gates(1, x)
+            if self.blocks[i].attn is None:
+                x = x + torch.sigmoid(self.scalars[2 * L + 1]) * gates["skip"] * states[source]
+            elif i < L - 1:
+                x = self.attention_layer(i, x, x0, bigram, ve[i], gates, states, run)
+            else:
+                x, mu = self.last_attention_layer(x, bigram, ve[i], gates, states, run)
+            normed = norm(x)
+            factors = (mu["resid_mlp"], mu["post_mlp"]) if i == L - 1 else self.stream_factors(i, x)[2:]
+            x = factors[0] * x + factors[1] * self.blocks[i].mlp(normed)
+            if i in (source, self.backout_layer):
+                states[i] = x
+        mu = dict(zip(MUDD_AFTER_LOOP, self.mudd(x, 1).split(1, dim=-1)))
+        last_ve = ve[self.ve_layout.index(0)][None].to(x.dtype)
+        return (x + mu["state0"] * states[0] + mu["backout"] * states[self.backout_layer]
+                + mu["last_input"] * states["last_input"] + mu["value_embed"] * last_ve + mu["skip_source"] * states[source])
+
+    def attention_layer(self, i: int, x: Tensor, x0: Tensor, bigram: Tensor, ve: Tensor | None, gates: dict,
+                        states: dict, run: dict) -> Tensor:
+        """Layer i's attention sub-layer below the last: x = r x + p attn + x0 g_x0 (+ bigram g_bigram past layer 0);
+        past the backout layer it attends over the stream that layer left."""
+        attn = self.blocks[i].attn
+        attention_input = norm(states.get(self.backout_layer, x))
+        extra_v = attn.value_input(attention_input, ve) if ve is not None else None
+        y = self.attend_layer(i, attention_input, extra_v, LayerGates(gates.get(("xsa", i)), gates.get(("output", i))),
+                              run)
+        resid, post = self.stream_factors(i, x)[:2]
+        x = resid * x + post * y + x0 * gates["x0", i]
+        return x + bigram * gates["bigram", i] if i else x
+
+    def last_attention_layer(self, x: Tensor, bigram: Tensor, ve: Tensor, gates: dict, states: dict,
+                             run: dict) -> tuple[Tensor, dict]:
+        """The last layer's attention sub-layer with its dense connections (MUDD): v takes a mix of the stream's
+        states, the stream is recombined from them, and the layer's stream factors are per token; returns x and them."""
+        L, H = self.num_layers, self.blocks[-1].attn.num_heads
+        attention_input = norm(states.get(self.backout_layer, x))
+        states["last_input"] = x
+        mu = dict(zip(MUDD_LAST_LAYER, self.mudd(x, 0).split(1, dim=-1)))
+        backout = states[self.backout_layer]
+        mixed_v = (mu["v0"] * states[0] + mu["v_backout"] * backout + mu["v_x"] * x).view(*x.shape[:2], H, -1)
+        x = (1 + mu["x_self"]) * x + mu["x0_state"] * states[0] + mu["backout_state"] * backout
+        ve_gate = torch.cat([mu["ve0"], mu["ve1"]], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)
+        extra_v = (ve_gate * ve.view(*x.shape[:2], H, -1) + mixed_v).flatten(2)
+        y = self.attend_layer(L - 1, attention_input, extra_v,
+                              LayerGates(output=gates["output", L - 1], composition=(gates["w1"], gates["w2"])), run)
+        x = mu["resid_attn"] * x + mu["post_attn"] * y + mu["x0"] * states[0]
+        return x + mu["bigram"] * bigram, mu
+
+    def attend_layer(self, i: int, attention_input: Tensor, extra_v: Tensor | None, gates: LayerGates, run: dict):
+        return self.blocks[i].attn(attention_input, extra_v, self.scalars[2 * i:2 * i + 2],
+                                   run["masks"][self.paired[i], self.long_window[i]], self.rotary, run["scale"], gates,
+                                   run["starts"], None if run["cache"] is None else run["cache"].layers[i],
+                                   run["positions"], run["restarts"])
+
+    def stream_factors(self, i: int, x: Tensor) -> tuple[Tensor, ...]:
+        """Layer i's (resid, post) after attention and after the MLP, in the stream's dtype (records from 2026-02-12)."""
+        return (*self.resid_lambdas[i, :1].type_as(x), *self.post_lambdas[i, :1].type_as(x),
+                *self.resid_lambdas[i, 1:].type_as(x), *self.post_lambdas[i, 1:].type_as(x))
+
+    def unpack_gates(self, net: int, x: Tensor) -> dict:
+        """Gate network net's coefficients from x, by name (gate_layouts)."""
+        coefficients = self.gates(x, net)
+        return {name: coefficients[..., lanes] for name, lanes in self.gate_layouts[net].items()}
+
+    def bigram_embeddings(self, tokens: Tensor, restarts: Tensor | None = None) -> Tensor:
+        """(T, D): each position's bigram row times its sign row (the records from 2026-05-20)."""
+        rows = self.bigram_embed(bigram_ids(tokens, self.bigram_embed.num_embeddings, restarts))
+        return rows * self.bigram_signs[bigram_sign_ids(tokens, restarts)].type_as(rows)  # +-1: exact in any dtype
+
+    @torch.no_grad()
+    def update_down_scales(self, bootstrap: bool):
+        """After each optimizer step (Trainer.train_step): the MLPs' down-projection weight scales (refresh_down_scales),
+        bootstrap for the first DOWN_BOOTSTRAP_STEPS steps' updates. Restoring a state restores them: they are buffers."""
+        mlps = [block.mlp for block in self.blocks]
+        refresh = compiled_on_first_use(refresh_down_scales) if mlps[0].c_proj.is_cuda else refresh_down_scales
+        refresh([m.c_proj for m in mlps], [m.down_scale for m in mlps], [m.next_down_scale for m in mlps], bootstrap)
 
     def smear(self, e: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
         """Token embeddings e (T, D) with a gated share of each one's predecessor added (the 2025-09-18 record's
@@ -1112,7 +1460,7 @@ class GPT(nn.Module):
         generation passes the embedding before it, and so does each token where restarts (T,) is true."""
         if before is not None:
             e = torch.cat([before, e])
-        gate = self.scalars[self.smear_index] * torch.sigmoid(self.smear_gate(e[1:, :self.smear_gate.in_features]))
+        gate = self.scalars[2 * self.num_layers] * torch.sigmoid(self.smear_gate(e[1:, :self.smear_gate.in_features]))
         if restarts is not None:
             gate = gate.masked_fill(restarts[1:, None], 0)
         e = torch.cat([e[:1], e[1:] + gate * e[:-1]])
@@ -1430,7 +1778,7 @@ def validation_sequences(pattern: str, num_tokens: int, seq_len: int, vocab_size
 
 
 # ------------------------------------------------------------------------------------------------
-# Hyperparameters: the defaults are the 8xH100 record (2026-04-08 PairedHeadMuon); presets override some of them
+# Hyperparameters: the defaults are the 8xH100 record (upstream HEAD f411b3d3, 2026-08-01); presets override some of them
 
 
 @dataclass
@@ -1444,8 +1792,8 @@ class Hyperparameters:
     batch_slots: int = 8  # sequences per optimizer step; world size must divide it (the rest is accumulation)
     packed_doc_len: tuple = (896, 2048, 2048)  # training sequences pack documents from their first token, each clipped to this many tokens, one per equal part as seq_len (896 first: records from 2026-02-10); 0: consecutive tokens
     # schedule
-    num_iterations: int = 1480  # optimizer steps
-    extension_steps: int = 40  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
+    num_iterations: int = 1285  # optimizer steps
+    extension_steps: int = 15  # the last of num_iterations run past the schedules: the lr flat at its end, the window at final_window
     cooldown_frac: float = 0.6  # final fraction of the scheduled steps (all but the extension) in which the lr decays linearly to LR_FLOOR
     val_loss_every: int = 250  # validate every N steps from step 0, and at the end; 0: only at the end
     train_loss_every: int = 0  # log rank 0's training loss every N steps (a device sync); 0: never
@@ -1460,9 +1808,9 @@ class Hyperparameters:
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
-    skip_layers: str = "6"  # decoder layers (comma-separated) that add their mirror encoder layer's output before running (records from 2025-11-18); all: every one (the U-net before); none
     backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); the layers after it attend over that stream (from 2026-03-06); -1: none
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
+    xsa_layers: str = "1,3,4,7"  # layers (comma-separated) whose heads take out a gated share of their output along their own value (XSA, records from 2026-04-29); none
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
     logit_offset: float = LOGIT_OFFSET  # the softcap's offset above
     attention_scale: float = 0.1  # softmax scale in the first window stage
@@ -1471,10 +1819,9 @@ class Hyperparameters:
     head_lr: float = 0.008  # Adam lr for the lm_head
     embed_lr: float = 0.008  # Adam lr for the token embedding, once untied
     value_embed_lr: float = 0.6  # Adam lr for the value embeddings and the bigram embedding (the records give both the same)
-    scalar_lr: float = 0.04  # Adam lr for the skip weights, the smear's, backout's and attention's lambdas and the stream's scales (/ SCALAR_LR_MUL: its other lambdas)
-    gate_lr: float = 0.008  # Adam lr for the attention and value-embedding gates (records from 2025-12-31; Muon's before)
+    scalar_lr: float = 0.04  # Adam lr for the smear's, the skip's and attention's lambdas and the stream's resid scales (/ SCALAR_LR_MUL: its post scales)
+    gate_lr: float = 0.008  # Adam lr for the value-embedding gates; x GATE_NETS_LR_MUL the gate networks', x MUDD_LR_MUL the dense connections'
     smear_gate_lr: float = 8e-5  # Adam lr for the smear's gate (records from 2025-12-21; Muon's before)
-    skip_gate_lr: float = 4e-4  # Adam lr for the skip's input gate
     adam_eps: float = 1e-10  # Adam epsilon
     muon_lr: float = 0.023  # Muon lr for hidden matrices
     muon_momentum_start: float = 0.85  # Muon momentum at step 0
@@ -1487,7 +1834,7 @@ class Hyperparameters:
     dtype: str = "bfloat16"  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16, float32 (to compare runs), or auto (auto_dtype: bfloat16 where multiplied natively)
     compile: bool = True  # torch.compile the model
     warmup_steps: int = 30  # steps on random tokens before training, to compile (each training shape from its first step, in turn); state restored afterwards
-    fp8: bool = True  # FP8 lm_head matmul where the GPU supports it (compute capability >= 8.9)
+    fp8: bool = True  # FP8 lm_head and MLP matmuls in training where the GPU supports it (compute capability >= 8.9)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (multi-process runs)
     exact_grad_sum: bool = False  # sum gradients over micro-steps and ranks in float64: the same bits at any world size
     seed: int = 0  # initialization seed (rank 0's parameters are broadcast to all ranks)
@@ -1526,9 +1873,9 @@ PRESETS = {
         num_heads=2,  # two heads, so that layer 1's attend in pairs as half the record's short-window layers do
         head_dim=64,
         model_dim=128,  # the 50304-wide lm_head dominates; width 128 learned as much per token as 256
-        skip_layers="2",  # the record's one skip, into the attention-free layer, at 4 layers
         backout_layer=2,
         paired_head_layers="1",
+        xsa_layers="0",
         logit_cap=30.0,  # the record's 23 and 5 gave higher losses on every seed here: a width-128 model needs the range
         logit_offset=0.0,
         head_lr=0.11 / 128**0.5,  # 0.11 when the head divided z by sqrt(width): the same steps on the logits
@@ -1567,18 +1914,10 @@ def layer_indices(args: Hyperparameters, name: str, allowed: range, choices: str
     return layers
 
 
-def skip_layers(args: Hyperparameters) -> tuple[int, ...] | None:
-    """args.skip_layers as GPT takes it (None: all); a ConfigError unless all, none, or decoder layers with a partner."""
-    if args.skip_layers in ("all", "none"):
-        return None if args.skip_layers == "all" else ()
-    return layer_indices(args, "skip_layers", skip_receivers(args.num_layers), "all, none, or decoder layers with a partner")
-
-
-def paired_head_layers(args: Hyperparameters) -> tuple[int, ...]:
-    """args.paired_head_layers as GPT takes it; a ConfigError unless none or layers of the model."""
-    if args.paired_head_layers == "none":
-        return ()
-    return layer_indices(args, "paired_head_layers", range(args.num_layers), "none, or layers")
+def listed_layers(args: Hyperparameters, name: str) -> tuple[int, ...]:
+    """A setting of comma-separated layers (paired_head_layers, xsa_layers) as GPT takes it; a ConfigError unless
+    none or layers of the model."""
+    return () if getattr(args, name) == "none" else layer_indices(args, name, range(args.num_layers), "none, or layers")
 
 
 def parse_args(argv: list[str], default_preset: str) -> tuple[Hyperparameters, str]:
@@ -1591,8 +1930,6 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
         if not values or any(value <= 0 or value % BLOCK_SIZE for value in values):
             raise ConfigError(f"{name}={','.join(map(str, values))} must be positive multiples of {BLOCK_SIZE} (the "
                               f"attention block size)")
-    if args.num_layers < 2:
-        raise ConfigError(f"num_layers={args.num_layers} must be at least 2 (U-net halves)")
     if args.head_dim % 4:
         raise ConfigError(f"head_dim={args.head_dim} must be a multiple of 4 (rotary on half of the dims, in pairs)")
     if args.num_heads * args.head_dim != args.model_dim:
@@ -1626,16 +1963,10 @@ def check_hyperparameters(args: Hyperparameters, world_size: int):
     for name in ("extension_steps", "muon_momentum_cooldown_steps"):
         if not 0 <= getattr(args, name) < args.num_iterations:
             raise ConfigError(f"{name}={getattr(args, name)} must be within [0, num_iterations={args.num_iterations})")
-    if not -1 <= args.backout_layer < args.num_layers:
-        raise ConfigError(f"backout_layer={args.backout_layer} must be a layer below num_layers={args.num_layers}, or -1 "
-                          f"for none")
-    skip_layers(args)
-    paired = paired_head_layers(args)
-    unpairable = [i for i in paired if i == attention_free_layer(args.num_layers) or long_window_layers(args.num_layers)[i]]
-    if paired and args.num_heads % 2 or unpairable:
-        raise ConfigError(f"paired_head_layers={args.paired_head_layers}: pairs of heads need an even num_heads (got "
-                          f"{args.num_heads}) and layers with attention and no key offset, not the long-window ones "
-                          f"(not {unpairable})")
+    try:
+        check_structure(gpt_config(args, training_seq_len(args)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.final_long_window < 0:
         raise ConfigError(f"final_long_window={args.final_long_window} must be >= 0 (0: final_window)")
     if not args.window_stages or min(*args.window_stages, args.final_window, args.window_unit) < 1:
@@ -1655,7 +1986,7 @@ class DevicePlan:
     device: torch.device
     dtype: str  # parameters (the scalars float32), activations and Muon's orthogonalization: bfloat16 or float32
     attention: str  # "flex" (FlexAttention block masks) or "sdpa" (the same masks, dense)
-    fp8: bool  # the lm_head's matmul in FP8
+    fp8: bool  # the lm_head's and the MLPs' training matmuls in FP8
     compile: bool  # torch.compile the model
     compile_optimizers: bool  # torch.compile Muon's orthogonalization and Adam's update
     pinned_memory: bool  # batches in pinned host memory, copied without blocking
@@ -1719,7 +2050,7 @@ def plan_device(args: Hyperparameters, device: torch.device, allocator: str = ""
         # Eager FlexAttention materializes every score (tens of GB at 48K tokens): attend() compiles it alone.
         attention_why = "FlexAttention with block-sparse masks, its kernel compiled alone (compile=false keeps the rest eager)"
     return dataclasses.replace(plan, lines=(
-        f"fp8 lm_head: {f'on ({fp8_why})' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
+        f"fp8 lm_head and MLPs: {f'on ({fp8_why})' if fp8 else 'off (' + ('--fp8=false' if not args.fp8 else fp8_why) + ')'}",
         f"attention: {attention_why}",
         "compile: " + ("on" if compile else "off (compile=false)" if not args.compile
                        else "off (no C++ compiler for inductor's CPU kernels: install g++ or clang++, or set CXX)"),
@@ -1758,8 +2089,8 @@ def gpt_config(args: Hyperparameters, max_seq_len: int, plan: DevicePlan | None 
     return GPTConfig(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim, max_seq_len,
                      windows=(*args.window_stages, args.final_window), window_unit=args.window_unit,
                      attention_scale=args.attention_scale, attention_scale_growth=args.attention_scale_growth,
-                     skip_layers=skip_layers(args), backout_layer=args.backout_layer,
-                     paired_layers=paired_head_layers(args), logit_cap=args.logit_cap, logit_offset=args.logit_offset,
+                     backout_layer=args.backout_layer, paired_layers=listed_layers(args, "paired_head_layers"),
+                     xsa_layers=listed_layers(args, "xsa_layers"), logit_cap=args.logit_cap, logit_offset=args.logit_offset,
                      dtype=DTYPES[plan.dtype] if plan else torch.float32,
                      attention_backend=plan.attention if plan else "sdpa", fp8=plan is not None and plan.fp8,
                      loss_scale=loss_scale(args, world_size))
@@ -1783,6 +2114,8 @@ ADAM_CAUTIOUS_WD = 0.005
 ADAM_WD_MULS = dict(lm_head=150.0, embed=150.0, value_embeds=5.0, gates=1.0)
 ADAM_EVERY = 2  # Adam steps every 2nd step, on the two steps' summed gradients (records from 2025-09-30)
 SCALAR_LR_MUL = 5  # the records' scalars and stream scales take 5x the Adam lr of the stream's other lambdas (2026-02-12)
+MUDD_LR_MUL = 0.25  # the dense connections' Adam lr, a factor on gate_lr's after the schedule's (records from 2026-04-22)
+GATE_NETS_LR_MUL = 0.1  # the gate networks' likewise (records from 2026-05-27)
 MLP_DOWN_LR_MUL = 2.0  # Muon's lr factor of each MLP's down-projection, on top of its shape's (records from 2025-12-11)
 
 
@@ -1790,9 +2123,12 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
                      plan: DevicePlan | None = None) -> tuple[Adam, Muon]:
     """Adam for the lm_head, the embeddings, the gates and the scalars (the records' from 2025-12-31); Muon for the
     hidden matrices. Each group keeps its initial_lr for the schedule."""
-    gates = [gate.weight for block in model.blocks if block.attn is not None
-             for gate in (block.attn.attn_gate, block.attn.ve_gate) if gate is not None]
+    gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate]
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and all(p is not g for g in gates)]
+    nets = lambda net, lr_mul: [  # a coefficient network's groups: its biases and learned scale without decay
+        dict(params=[net.w1, net.w2], lr=args.gate_lr, lr_mul=lr_mul, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
+        dict(params=[net.b2, *[p for p in [net.scale] if isinstance(p, nn.Parameter)]], lr=args.gate_lr, lr_mul=lr_mul,
+             wd_mul=0.0, betas=ADAM_BETAS["gates"])]
     compiled = plan is not None and plan.compile_optimizers
     groups = [
         dict(params=[model.lm_head.weight], lr=args.head_lr, wd_mul=ADAM_WD_MULS["lm_head"], betas=ADAM_BETAS["head"]),
@@ -1801,11 +2137,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int = 0, world_siz
              wd_mul=ADAM_WD_MULS["value_embeds"], betas=ADAM_BETAS["value_embeds"]),
         dict(params=gates, lr=args.gate_lr, wd_mul=ADAM_WD_MULS["gates"], betas=ADAM_BETAS["gates"]),
         dict(params=[model.smear_gate.weight], lr=args.smear_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
-        dict(params=[model.skip_gate.weight], lr=args.skip_gate_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.scalars], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["gates"]),
         dict(params=[model.resid_lambdas], lr=args.scalar_lr, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
-        dict(params=[model.post_lambdas, model.x0_lambdas, model.bigram_lambdas], lr=args.scalar_lr / SCALAR_LR_MUL,
-             wd_mul=0.0, betas=ADAM_BETAS["stream"]),
+        dict(params=[model.post_lambdas], lr=args.scalar_lr / SCALAR_LR_MUL, wd_mul=0.0, betas=ADAM_BETAS["stream"]),
+        *nets(model.mudd, MUDD_LR_MUL), *nets(model.gates, GATE_NETS_LR_MUL),
     ]
     adam = Adam(groups, eps=args.adam_eps, weight_decay=ADAM_CAUTIOUS_WD, compiled=compiled)
     muon = Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum_start,
@@ -1851,6 +2186,7 @@ LR_STAGE_PEAKS = (1.0, 1.52, 1.73)  # the lr multiplier before the cooldown in e
 # (records from 2025-11-29)
 LR_FLOOR = 0.15  # the multiplier the cooldown ends at, kept through the extension (records from 2026-02-10; 0.1 before)
 MTP_WEIGHTS = (1.0, 0.5, 0.25)  # multi-token prediction's weights of the next 1, 2, 3 tokens (records from 2025-12-22)
+PREFIX_WEIGHT = 0.25  # the prefix token's loss weight, fading to 0 over the second third (records from 2026-07-13)
 UNTIE_EMBED_FRAC = 2 / 3  # the embedding is tied to the lm_head until Adam's first step from this fraction of the
 # scheduled steps (records from 2025-12-22)
 
@@ -1931,6 +2267,17 @@ def mtp_weights_at(step: int, args: Hyperparameters) -> tuple[float, ...]:
     return tuple(weights)
 
 
+def prefix_weight_at(step: int, args: Hyperparameters) -> float:
+    """The prefix token's loss weight at step, in float32 (as the record's tensor of it): in the parts of
+    mtp_weights_at, PREFIX_WEIGHT in the first, then moving linearly from it toward 0 over the second, a + (0 - a) t;
+    0 from the third on and in the extension (the records' from 2026-07-13)."""
+    k, first, end = stage_bounds(step, len(MTP_WEIGHTS), args)
+    if k != 1:
+        return PREFIX_WEIGHT if k == 0 else 0.0
+    t = (step - first) / (end - first)
+    return float32(PREFIX_WEIGHT + (0.0 - PREFIX_WEIGHT) * t)
+
+
 def untie_step(args: Hyperparameters) -> int:
     """The step after whose update the input embedding stops being a copy of the lm_head: Adam's first step from
     round(UNTIE_EMBED_FRAC N) on (the records' third stage's first step | 1, from 2026-01-30); past the last step in
@@ -1966,13 +2313,17 @@ class Trainer:
     """This rank's model, optimizers and gradient synchronization, and what a run does with them:
     training steps and validation. Identical on every rank after construction."""
 
-    def __init__(self, args: Hyperparameters, rank: int, world_size: int, plan: DevicePlan):
+    def __init__(self, args: Hyperparameters, rank: int, world_size: int, plan: DevicePlan,
+                 prefix_table: Tensor | None = None):
+        """prefix_table: the model's (prefix_table()); None: none, so no prefix token's loss term."""
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, plan.device
         torch.use_deterministic_algorithms(plan.deterministic)  # process-wide; read when torch.compile builds kernels
         if plan.deterministic:
             torch.utils.deterministic.fill_uninitialized_memory = False  # it would write NaN into every torch.empty
         torch.manual_seed(args.seed)
         self.model = build_model(args, training_seq_len(args), plan, world_size).to(plan.device)
+        if prefix_table is not None:
+            self.model.prefix_table.copy_(prefix_table)
         if world_size > 1:
             for p in self.model.parameters():
                 dist.broadcast(p.detach(), 0)
@@ -1997,9 +2348,11 @@ class Trainer:
         self.window = window_at(0, args)
         self.untie_step = untie_step(args)
         self.tie_embedding(embed_tied_at(0, args))
-        # Each step's multi-token weights, made once ((1.0,): the next token's alone).
+        # Each step's multi-token weights ((1.0,): the next token's alone) and prefix token's weight, made once.
         self.mtp_weights = [torch.tensor(w, device=plan.device) for w in (mtp_weights_at(step, args)
                                                                           for step in range(args.num_iterations))]
+        self.prefix_weights = [torch.tensor(prefix_weight_at(step, args), device=plan.device)
+                               for step in range(args.num_iterations)]
         # The first step whose loss was not finite, kept on the device so that checking costs no sync.
         self.nonfinite_step = torch.full((), -1, device=plan.device, dtype=torch.int64)
 
@@ -2028,7 +2381,7 @@ class Trainer:
             if self.buckets is not None:
                 self.buckets.last_micro_step = i == len(micro_batches) - 1
                 self.buckets.reduce_deferred = adam_steps
-            loss = self.compiled(inputs, targets, self.window, None, self.mtp_weights[step])
+            loss = self.compiled(inputs, targets, self.window, None, self.mtp_weights[step], self.prefix_weights[step])
             (loss * self.loss_scale).backward()
             total += loss.detach()
         if self.buckets is not None:
@@ -2043,6 +2396,7 @@ class Trainer:
         stepping = self.optimizers if adam_steps else [self.muon]
         for optimizer in stepping:
             optimizer.step()
+        self.model.update_down_scales(step < DOWN_BOOTSTRAP_STEPS)
         if step == self.untie_step:  # the input embedding goes its own way from the lm_head's values and Adam state
             self.adam.copy_state(self.model.lm_head.weight, self.model.embed.weight)
         elif self.tied and adam_steps:
@@ -2222,6 +2576,7 @@ def main(argv: list[str] | None = None) -> dict:
     stream = TokenStream(args.train_files, max(args.seq_len), args.batch_slots, device, args.vocab_size,
                          plan.pinned_memory, min(args.packed_doc_len))
     val_sequences = validation_sequences(args.val_files, args.val_tokens, args.val_seq_len, args.vocab_size)
+    prefixes = prefix_table(support.gpt2_ranks(), next_multiple(args.vocab_size, 128))  # the GPT-2 ranks' file too
     if plan.pinned_memory:
         val_sequences = val_sequences.pin_memory()
     run_id = args.run_id or str(uuid.uuid4())
@@ -2243,7 +2598,7 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"checkpoints: {folder.path}, held by this launch ({folder.launch}) while it runs", console=False)
         peak = support.matmul_peak(device, DTYPES[plan.dtype])
         log(f"matmul peak for MFU: {peak[1]}", console=False)
-        trainer = Trainer(args, rank, world_size, plan)
+        trainer = Trainer(args, rank, world_size, plan, prefixes)
         for line in support.describe_run(trainer):
             log(line, console=False)
         start_step, clock = 0, support.TrainingClock()

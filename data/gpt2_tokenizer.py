@@ -131,3 +131,11 @@ def _parse_ranks(data):
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
     return ranks
+
+
+if __name__ == "__main__":  # python data/gpt2_tokenizer.py: the ranks into data/cache, where train_gpt.py reads them
+    os.environ.pop(ENV_VAR, None)
+    try:
+        print(cache_ranks())
+    except TokenizerError as e:
+        sys.exit(f"error: {e}")

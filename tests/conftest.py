@@ -48,6 +48,12 @@ def _ranks_file():
     return next((p for p in RANKS_CANDIDATES if p.is_file()), None)
 
 
+# Every training run reads them too (run_support.gpt2_ranks: the prefix-token table), in this process and in the
+# ones it starts: the local copy unless the environment names one.
+if _ranks_file() is not None:
+    os.environ.setdefault("GPT2_TIKTOKEN_FILE", str(_ranks_file()))
+
+
 def _refuse_online(name):
     raise ConnectionError(f"tests do not download tiktoken's {name} files")
 
@@ -90,6 +96,7 @@ def gpt2_encoding():
 
 # --- train_gpt.py ----------------------------------------------------------------------------
 sys.path.insert(0, str(ROOT))
+
 # A machine whose NVIDIA GPUs this torch cannot use refuses to train on its CPU unless asked: the
 # tests train on the CPU everywhere (tests/test_gpu_guard.py takes this setting away again).
 os.environ.setdefault("TRAIN_GPT_ALLOW_CPU", "1")
@@ -100,11 +107,10 @@ os.environ.setdefault("TRAIN_GPT_ALLOW_CPU", "1")
 # no <|endoftext|> (50256), so these runs are one document; test_model runs forward and backward
 # over several documents on the real vocabulary, and test_masks checks their masks.
 TINY_VOCAB = 1000
-# What a model of 2 layers and 1 head, trained a few steps, needs of the cpu preset's per-layer and end-of-run
-# settings: no paired heads (2 of them), every skip (there is one), no backout, no extension or momentum cooldown.
-TINY_FORMS = ["--paired_head_layers=none", "--skip_layers=all", "--backout_layer=-1", "--extension_steps=0",
-              "--muon_momentum_cooldown_steps=0"]
-TINY_RUN = ["--preset=cpu", *TINY_FORMS, "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
+# What a model of the cpu preset's structure (4 layers, 2 heads: the fewest the record's structure takes), trained a
+# few steps, needs of its end-of-run settings: no extension or momentum cooldown.
+TINY_FORMS = ["--extension_steps=0", "--muon_momentum_cooldown_steps=0"]
+TINY_RUN = ["--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=2", "--head_dim=32",
             "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--dtype=float32",
             "--compile=false", f"--vocab_size={TINY_VOCAB}", "--yarn=true",  # the record's rotary, rescaled at each window
             "--cooldown_frac=0.6"]  # runs of a few steps learn more with the lr held a while before it decays
@@ -165,7 +171,8 @@ CYCLE_STEPS = 24  # Adam steps every second one, and the tied embedding follows 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """A 4-layer model (value embeddings, U-net skips, an attention-free layer) trained CYCLE_STEPS steps, with
+    """A 4-layer model (the cpu preset's structure: value embeddings, the skip into the attention-free layer, the
+    backout, paired heads, XSA, the gate networks and dense connections) trained CYCLE_STEPS steps, with
     FAST_ADAM_LRS and windows of 2 blocks (long) and 1 (short), validated at the end with 3 and 1 (its
     rotary rescaled from 2 to 3); returns (checkpoint path, successor table, the run's result). For
     test_sample.py and test_evaluate.py: one run a session."""
@@ -176,7 +183,7 @@ def trained(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     result = train_gpt.main([
-        "--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+        "--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--seq_len=256",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", f"--num_iterations={CYCLE_STEPS}",
         "--window_stages=2", "--final_window=3", "--window_unit=128", "--yarn=true", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
         f"--train_files={folder}/cycle_train_*.bin",

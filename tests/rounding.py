@@ -16,7 +16,7 @@ import math
 import torch
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-# exp, exp2, log, cos, sin and rsqrt of SLEEF, MKL and ATen within 4 ulp, each ulp at most 2u of the result;
+# exp, exp2, log, cos, sin, tanh and rsqrt of SLEEF, MKL and ATen within 4 ulp, each ulp at most 2u of the result;
 # CPU flash attention and inductor's flex template use ATen's faster exp_u20, documented within 20 ulp.
 EXP_ULPS = 4
 ATTENTION_EXP_ULPS = 20
@@ -112,7 +112,7 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 EXACT_FUNCTIONS = {"__getitem__", "__get__", "size", "numel", "dim", "view", "view_as", "reshape", "flatten", "transpose",
                    "permute", "unsqueeze", "squeeze", "expand", "contiguous", "chunk", "split", "unbind", "cat", "stack",
                    "embedding", "relu", "neg", "__neg__", "clone", "detach", "masked_fill", "arange", "zeros", "ones",
-                   "flip", "unflatten",
+                   "flip", "unflatten", "clamp_min", "repeat_interleave", "pad", "unfold", "amax",
                    "float", "type_as", "to"}
 ONE_ROUNDING = {"add", "sub", "mul", "div", "square", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                 "__truediv__"}
@@ -161,7 +161,8 @@ def probabilistic_bound(run: TorchCalls, twin: TorchCalls, twin_value: torch.Ten
     it rounds, |d_k| <= u of its dtype, independent with mean zero; by Hoeffding's inequality |sum d_k a_k| exceeds
     LAMBDA sqrt(sum (u a_k)^2) with probability below 2 exp(-LAMBDA^2 / 2). Each element of a rounded result is a
     rounding (each kernel taken to round its result once), a rounded 0-dim factor one for the whole result, and
-    each entry of rounded_leaves (float64 twins of tensors the run stores in bf16) one."""
+    each entry of rounded_leaves (float64 twins of tensors the run stores in bf16) one; a result the value does not
+    use moves nothing."""
     roundings, twins = [], []
     for (name, result, rounded_factor), (twin_name, twin_result, _) in zip(run.calls, twin.calls, strict=True):
         assert name == twin_name
@@ -170,9 +171,11 @@ def probabilistic_bound(run: TorchCalls, twin: TorchCalls, twin_value: torch.Ten
             twins.append(twin_result)
     roundings += [(UNIT_ROUNDOFF[torch.bfloat16], False)] * len(rounded_leaves)
     spread = 0.0
-    for (u, rounded_factor), z, dz in zip(roundings, twins + list(rounded_leaves),
-                                          torch.autograd.grad(twin_value, twins + list(rounded_leaves))):
-        a = dz * z.detach()
+    grads = torch.autograd.grad(twin_value, twins + list(rounded_leaves), allow_unused=True)
+    for (u, rounded_factor), z, dz in zip(roundings, twins + list(rounded_leaves), grads):
+        if dz is None:
+            continue
+        a = torch.where(z.detach().isfinite(), dz * z.detach(), 0)  # infinities (masked logits) are exact
         spread += u**2 * (float(a.square().sum()) + (float(a.sum()) ** 2 if rounded_factor else 0.0))
     return LAMBDA * spread ** 0.5
 
@@ -197,7 +200,8 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
         out = func(*args, **norm_eps(name, args, kwargs, self.dtype))
         if not rounds(name, out):
             return out
-        local = self.local_bound(name, args, kwargs, out)
+        # an infinite result (a masked logit less a finite one) is exact: IEEE arithmetic on infinities does not round
+        local = torch.where(out.detach().isfinite(), self.local_bound(name, args, kwargs, out), 0)
         assert out.requires_grad, f"{name} rounds a result no gradient reaches: give its inputs requires_grad"
         self.records.append((out, local))
         return out
@@ -212,6 +216,15 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
             return (2 if name in ("div", "__truediv__") else 1) * u * z + extra
         if name == "sigmoid":  # 1 / (1 + exp(-x)): exp's error is relative to exp(-x) <= 1 + exp(-x)
             return (2 * EXP_ULPS + 2) * u * z
+        if name == "tanh":
+            return 2 * EXP_ULPS * u * z
+        if name == "exp2":  # the vector libraries' exp2, like their exp, within EXP_ULPS ulps
+            return EXP_ULPS * u * z
+        if name == "sum":  # its terms in any order
+            terms = args[0].numel() // max(out.numel(), 1)
+            return gamma(max(terms, 1), self.dtype) * torch.sum(args[0].detach().abs(), *args[1:], **kwargs)
+        if name == "gelu":
+            return gelu_bound(args[0].detach(), u) + u * z
         if name == "rms_norm":  # a mean of D squares, a square root and a division, a weight
             return (gamma(args[0].size(-1) + 2, self.dtype) + (2 * EXP_ULPS + 2) * u) * z
         if name in ("linear", "matmul", "__matmul__", "mm", "bmm"):
@@ -239,6 +252,27 @@ class RoundingTrace(torch.overrides.TorchFunctionMode):
                    + 2 * EXP_ULPS * u * (lse - largest) + u * lse.abs() + u * rows.abs())
         total = per_row.sum() + gamma(rows.numel(), self.dtype) * rows.abs().sum()
         return total / rows.numel() + u * out.detach().abs() if reduction == "mean" else total
+
+
+ERF_APPROXIMATION_ERROR = 1.5e-7  # Abramowitz and Stegun 7.1.26's bound, the formula of ATen's vectorized erf
+ERF_COEFFICIENTS = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)  # its a_1 .. a_5
+ERF_SLOPE = sum(k * abs(a) for k, a in enumerate(ERF_COEFFICIENTS, 1))
+
+
+def gelu_bound(x: torch.Tensor, u: float) -> torch.Tensor:
+    """Bound on |fl(gelu(x)) - gelu(x)| before the result's own rounding, for the erf form x (1 + erf(x / sqrt 2)) / 2
+    as ATen's and inductor's CPU kernels compute it: erf(a) = 1 - S(t) e^(-a^2), t = 1 / (1 + p |a|) <= 1, S the
+    formula's polynomial a_1 t + ... + a_5 t^5 in Horner's form, within ERF_APPROXIMATION_ERROR of erf. Its float32
+    evaluation: t's fma and division (2u relative) and p's rounding (t (1 - t) u <= u / 4) move S by at most
+    ERF_SLOPE (sum k |a_k|) times that; the coefficients' roundings by sum |a_k| u; Horner's four fmas, each
+    rounding a value below 1.5 that reaches S through powers of t, 6u; exp within EXP_ULPS ulps and its argument's
+    rounding (a^2 e^(-a^2) u <= u / e), times S e^(-a^2) <= 1; the product by t and the final fma, u each; a = x / sqrt 2
+    (a rounded constant and a product, 2u relative) moves erf by at most 2 / sqrt(pi) |a| e^(-a^2) 2u < u. Then 1 + erf
+    rounds (2u), the half is exact, and the product by x rounds its own result (the caller's u |z|): |x| / 2 times
+    erf's error plus that sum's."""
+    coefficients = sum(map(abs, ERF_COEFFICIENTS))
+    erf_error = ERF_APPROXIMATION_ERROR + (2.25 * ERF_SLOPE + coefficients + 6 + 2 * EXP_ULPS + 1 + 2 + 1) * u
+    return x.abs() / 2 * (erf_error + 2 * u)
 
 
 def first_order_bound(compute, dtype: torch.dtype = torch.float32):

@@ -2,6 +2,7 @@
 is never loaded: two real processes on one folder, two writers of one name, and files mixed, edited or renamed by
 hand, each refused in one line by the resume and by the tools."""
 
+import copy
 import io
 import json
 import os
@@ -219,3 +220,48 @@ def test_the_digest_reads_every_tensor_and_value(two_runs):
                {**state, "hyperparameters": {**state["hyperparameters"], "seq_len": list(state["hyperparameters"]["seq_len"])}},
                {**state, "model": dict(reversed(state["model"].items()))}]
     assert len({run_support.checkpoint_digest(s) for s in changes} | {digest}) == len(changes) + 1
+
+
+
+def test_the_mlp_fp8_scales_are_checkpoint_state_across_the_bootstrap(monkeypatch):
+    """With FP8 (faked on CPU, whose FP8 paths compute the GPU's math; the lm_head's left out, its CPU _scaled_mm takes
+    seconds), the MLPs' scales are model state: a Trainer restored from step 16's checkpoint (saved and read back; the
+    last bootstrap update came after step 15) goes on through the first delayed ones to step 18's state equal to the
+    uninterrupted one's, every tensor, the scales too; a warm-up leaves them as it found them. At 18 each
+    down-projection's scale is the delayed one made from the weight before the last step, not the weight's own, and each
+    activation scale has left 1."""
+    monkeypatch.setattr(train_gpt, "fp8_supported", lambda device: (True, "faked on CPU"))
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--num_iterations=18", "--warmup_steps=2"], "cpu")
+    plan = train_gpt.plan_device(args, torch.device("cpu"))
+    tokens = torch.randint(0, args.vocab_size, (18, 2, 129), generator=torch.Generator().manual_seed(0))
+    batches = [[(t[:-1].int(), t[1:]) for t in step_tokens] for step_tokens in tokens]
+
+    def trainer():
+        t = train_gpt.Trainer(args, 0, 1, plan)
+        t.model.fp8_scales = None
+        assert all(block.mlp.fp8 for block in t.model.blocks)
+        return t
+
+    whole = trainer()
+    before = copy.deepcopy(whole.model.state_dict())
+    whole.warm_up(0)
+    assert all(torch.equal(tensor, whole.model.state_dict()[name]) for name, tensor in before.items())
+    for step in range(18):
+        if step == 16:
+            saved = io.BytesIO()
+            torch.save(dict(step=step, model=whole.model.state_dict(), clock={},
+                            optimizers=[o.state_dict() for o in whole.optimizers]), saved)
+        whole.move_window(step)
+        whole.train_step(step, batches[step])
+    resumed = trainer()
+    saved.seek(0)
+    assert train_gpt.restore_checkpoint(torch.load(saved, weights_only=True), resumed) == (16, {})
+    for step in range(16, 18):
+        resumed.move_window(step)
+        resumed.train_step(step, batches[step])
+    ends = [t.model.state_dict() for t in (whole, resumed)]
+    assert all(torch.equal(tensor, ends[1][name]) for name, tensor in ends[0].items())
+    for block in whole.model.blocks:
+        w = block.mlp.c_proj.detach().bfloat16()
+        assert block.mlp.act_scale != 1 and block.mlp.down_scale != train_gpt.current_scale(w)
+        assert block.mlp.next_down_scale == train_gpt.headroom_scale(w.abs().amax(), train_gpt.DOWN_WEIGHT_HEADROOM)

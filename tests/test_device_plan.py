@@ -22,7 +22,7 @@ def test_cpu_plan_runs_the_same_masks_densely_and_repeats_to_the_bit():
     assert (plan.attention, plan.fp8, plan.compile_optimizers, plan.pinned_memory) == ("sdpa", False, False, False)
     assert plan.deterministic and plan.compile == train_gpt.cpp_compiler_found()
     assert plan.dtype == train_gpt.auto_dtype(CPU)[0]
-    assert "fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
+    assert "fp8 lm_head and MLPs: off (needs CUDA compute capability >= 8.9; this device is cpu)" in plan.lines
     model = train_gpt.build_model(args, 1024, plan)  # args.dtype is still auto: the plan's dtype is the one used
     assert model.attention_backend == "sdpa" and model.fp8_scales is None
     run_dtype = train_gpt.DTYPES[plan.dtype]
@@ -38,7 +38,7 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     assert (plan.attention, plan.fp8, plan.compile, plan.compile_optimizers) == ("flex", True, True, True)
     assert plan.dtype == "bfloat16" and plan.pinned_memory and not plan.deterministic
     for line in ("attention: FlexAttention with block-sparse masks, compiled with the model",
-                 "fp8 lm_head: on (compute capability 9.0)",
+                 "fp8 lm_head and MLPs: on (compute capability 9.0)",
                  "deterministic algorithms: off (CUDA: the record's kernels)",
                  "optimizers: Muon (Polar Express) and Adam, compiled",
                  "dtype: bfloat16", "CUDA allocator: PYTORCH_ALLOC_CONF=expandable_segments:True"):
@@ -58,7 +58,7 @@ def test_cuda_plan_is_the_record_and_the_model_is_built_from_it(monkeypatch):
     assert adam.update is train_gpt.compiled_on_first_use(train_gpt.adam_update)
     assert muon.dtype == torch.bfloat16
     without_fp8 = train_gpt.plan_device(dataclasses.replace(args, fp8=False), CUDA, "x")
-    assert not without_fp8.fp8 and "fp8 lm_head: off (--fp8=false)" in without_fp8.lines
+    assert not without_fp8.fp8 and "fp8 lm_head and MLPs: off (--fp8=false)" in without_fp8.lines
 
 
 def test_compile_without_a_cpp_compiler_runs_eager_and_says_why():

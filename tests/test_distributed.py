@@ -222,24 +222,26 @@ def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_sh
     ranks x 2 micro-steps, Muon's buckets are reduced on every step and Adam's (the lm_head, the embeddings, the
     scalars; no bucket mixes the two) on the odd steps' last micro-step alone, once. Muon
     all-gathers its updates a round at a time, the same on every step. The run equals one process's."""
-    extra = ["--bucket_mb=0.2"]
+    extra = ["--bucket_mb=0.2", "--model_dim=96", "--head_dim=48"]  # no Muon matrix shaped as an Adam tensor
     one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, *extra))
     out = tmp_path / "events"
     two = launch(tmp_path / "two", torchrun(2), HELPERS, train_args(tmp_path / "two", 4, *tiny_shards, *extra),
                  mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
     assert_runs_agree(one, two)
-    padded = train_gpt.next_multiple(TINY_VOCAB, 128)  # the lm_head, the embeddings, the bigram table, the gates (one
-    # head), the stream's lambdas per sub-layer of the 2 layers; the other scalars are 1-D
-    adam_shapes = {(padded, 64), (train_gpt.BIGRAM_ROWS_PER_TOKEN * padded, 64), (1, 12), (2, 2)}
+    padded = train_gpt.next_multiple(TINY_VOCAB, 128)
+    args = train_gpt.parse_args([*TINY_RUN, *extra], "cpu")[0]
+    adam, muon = train_gpt.build_optimizers(train_gpt.build_model(args, 128), args)
+    adam_shapes, muon_shapes = ({tuple(p.shape) for group in o.param_groups for p in group["params"]} for o in (adam, muon))
+    assert not adam_shapes & muon_shapes  # a bucket's shapes tell whose it is
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
-        is_adam = [all(len(s) == 1 or tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]
+        is_adam = [all(tuple(s) in adam_shapes for s in shapes) for shapes in record["bucket_shapes"]]
         assert record["deferred"] == is_adam and any(is_adam) and not all(is_adam)
-        assert all(is_adam[b] or not any(len(s) == 1 or tuple(s) in adam_shapes for s in shapes)
+        assert all(is_adam[b] or not any(tuple(s) in adam_shapes for s in shapes)
                    for b, shapes in enumerate(record["bucket_shapes"]))  # no bucket mixes Adam's and Muon's
         # the embedding's own bucket: on Adam's step after the untie alone (tied, its gradient joins the lm_head's)
         untie = train_gpt.untie_step(train_gpt.parse_args([f"--num_iterations={ITERATIONS}", *TINY_FORMS], "cpu")[0])
-        [embed] = [b for b, shapes in enumerate(record["bucket_shapes"]) if b and shapes == [[padded, 64]]]
+        [embed] = [b for b, shapes in enumerate(record["bucket_shapes"]) if b and shapes == [[padded, 96]]]
         assert record["reductions"] == [1 if b == embed else ITERATIONS // 2 if adam else ITERATIONS
                                         for b, adam in enumerate(is_adam)]
         for step in range(ITERATIONS):
@@ -491,8 +493,8 @@ def test_the_divisors_of_the_batch_are_accepted(world_size):
 
 def test_allreduce_benchmark_prints_both_modes(tmp_path):
     """tools/bench_allreduce.py at its smallest: it launches itself through torchrun and prints a row per mode."""
-    code, out = finish(start([sys.executable, ROOT / "tools" / "bench_allreduce.py", "--num_layers=2", "--model_dim=64",
-                              "--num_heads=1", "--head_dim=64", "--seq_len=128", "--steps=1", "--warmup=0",
+    code, out = finish(start([sys.executable, ROOT / "tools" / "bench_allreduce.py", "--num_layers=4", "--model_dim=64",
+                              "--num_heads=2", "--head_dim=32", "--seq_len=128", "--steps=1", "--warmup=0",
                               "--bucket_mb=0.1"], tmp_path), LAUNCH_TIMEOUT)
     assert code == 0, out[-4000:]
     assert re.search(r"^one all-reduce after backward +\d+\.\d +1\.00x$", out, re.MULTILINE), out

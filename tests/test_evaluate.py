@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from conftest import EOT, FAST_ADAM_LRS, ROOT, cycle_shards
 from rounding import assert_within, first_order_bound
-from test_model import randomize_, records_structure_gpt
 from test_sample import one_thread, randomized_gpt, randomized_records_structure_gpt  # noqa: F401  (fixtures;
 # one_thread autouse; the cycle model, trained, is conftest's)
 
@@ -266,16 +265,16 @@ def test_the_greedy_flag_and_requests_that_cannot_be_scored(trained, gpt2_encodi
 
 @pytest.fixture(scope="module")
 def record_preset_checkpoint(tmp_path_factory):
-    """The record preset's own settings at a tiny size (an odd depth, the key offset, the smear, one gated skip, the
-    backout, paired heads in layers 0 and 1, bf16 where the record rounds, Adam every other step) trained 4 steps on
-    the cycle data, compiled off."""
+    """The record preset's own settings at a tiny size (an odd depth, the key offset, the smear, the gated skip into
+    the attention-free layer, the backout, paired heads in layers 0 and 1, XSA in 2, bf16 where the record rounds, Adam
+    every other step) trained 4 steps on the cycle data, compiled off."""
     folder = tmp_path_factory.mktemp("record")
     cycle_shards(folder)
     result = train_gpt.main([
         "--preset=record", "--num_layers=5", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--seq_len=256",
-        "--paired_head_layers=0,1",
+        "--paired_head_layers=0,1", "--xsa_layers=2",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--num_iterations=4", "--extension_steps=0",
-        "--window_stages=1,2", "--final_window=2", "--final_long_window=3", "--skip_layers=2", "--backout_layer=2",
+        "--window_stages=1,2", "--final_window=2", "--final_long_window=3", "--backout_layer=2",
         "--muon_momentum_warmup_steps=2", "--muon_momentum_cooldown_steps=1", "--compile=false", "--warmup_steps=0",
         "--val_loss_every=0", *FAST_ADAM_LRS, "--save_checkpoint",
         f"--train_files={folder}/cycle_train_*.bin", f"--val_files={folder}/cycle_val_*.bin",

@@ -1,6 +1,7 @@
 """tools/gpu_check.py: its CPU path for real (the GPU checks say SKIP here), and that its checks can fail."""
 
 import dataclasses
+import functools
 import math
 import re
 import subprocess
@@ -24,8 +25,9 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
             line for line in proc.stdout.splitlines()[2:-1]}
     status = {name: line.split()[len(name.split())] for name, line in rows.items()}
     flex = "PASS" if check_cpu_supported() else "SKIP"  # its compiled CPU kernel needs AVX2 and a vectorized ATen
-    assert status == {"environment": "PASS", "fp8 matmul": "PASS", "flex forward": flex, "flex backward": "SKIP",
-                      "training steps": "SKIP", "all-reduce": "PASS"}, proc.stdout + proc.stderr
+    assert status == {"environment": "PASS", "fp8 matmul": "PASS", "fp8 mlp": "PASS", "flex forward": flex,
+                      "flex backward": "SKIP", "composition": "PASS", "training steps": "SKIP", "all-reduce": "PASS"}, \
+        proc.stdout + proc.stderr
     assert "no backward on cpu" in rows["flex backward"] and "needs CUDA" in rows["training steps"]
     assert "gloo, 2 processes" in rows["all-reduce"] and "max difference 0.0e+00" in rows["all-reduce"]
     assert proc.stdout.splitlines()[0] == ("The record preset computes what the 2026-04-08 record "
@@ -35,17 +37,19 @@ def test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones():
         assert "windows of 128, 129, 334, 384 tokens (paired heads: 128) at scales 0.1000" in rows["flex forward"]
     else:
         assert "needs AVX2 and ATEN_CPU_CAPABILITY other than default" in rows["flex forward"]
-    assert proc.stdout.splitlines()[-1] == ("4 passed, 0 failed, 2 skipped" if flex == "PASS" else
-                                           "3 passed, 0 failed, 3 skipped")
+    assert "1024 tokens, 2 heads x 32, bf16, window 112: worst error" in rows["composition"]
+    assert rows["fp8 mlp"].split("PASS", 1)[1].strip().startswith("256x768 -> 3072: rel. error out ")
+    assert proc.stdout.splitlines()[-1] == ("6 passed, 0 failed, 2 skipped" if flex == "PASS" else
+                                           "5 passed, 0 failed, 3 skipped")
     assert proc.returncode == 0
 
 
 def test_training_check_runs_the_real_trainer_on_cpu():
     """The training check's code path, uncompiled and tiny: the loss falls on a repeated batch."""
-    args = dataclasses.replace(train_gpt.parse_args(TINY_FORMS, "cpu")[0], num_layers=2, model_dim=64,
-                               num_heads=1, head_dim=64, seq_len=(128,), batch_slots=2, num_iterations=20, compile=False)
+    args = dataclasses.replace(train_gpt.parse_args(TINY_FORMS, "cpu")[0], num_layers=4, model_dim=64,
+                               num_heads=2, head_dim=32, seq_len=(128,), batch_slots=2, num_iterations=20, compile=False)
     summary = gpu_check.check_training(torch.device("cpu"), args, steps=4, warmup=2)
-    first, last = map(float, re.match(r"2 layers x 64, 2 x 128 tokens: loss (\S+) -> (\S+);", summary).groups())
+    first, last = map(float, re.match(r"4 layers x 64, 2 x 128 tokens: loss (\S+) -> (\S+);", summary).groups())
     # Multi-token prediction weighs each position's next 3 by 1, 0.5 and 0.25 (2 and 1 of them at a sequence's end),
     # each a cross-entropy within 2 max|softcapped logit| of ln(50304): the softcap's slope is at most cap / (4 x 7.5),
     # and |z_i| <= |w_i| sqrt(D) for the normed input. The lm_head as the Trainer draws it; printed to 0.005.
@@ -64,6 +68,23 @@ def test_a_wrong_fp8_result_fails(monkeypatch):
         gpu_check.check_fp8(torch.device("cpu"), 64, 64, 256)
 
 
+def test_the_fp8_mlp_errs_as_e4m3_s_roundings_predict():
+    """The fp8 mlp check's figures: each relative error within 10% of what fp8_mlp_expected_errors derives (the errors
+    of many roundings concentrate), so its limits, FP8_MLP_MARGIN x those, stand well clear of a passing run."""
+    summary = gpu_check.check_fp8_mlp(torch.device("cpu"), 256, 256)
+    errors = [float(e) for e in re.findall(r"(?:out|grad x|grad w_up|grad w_down) (\d\.\d+)", summary)]
+    predicted = gpu_check.fp8_mlp_expected_errors()
+    assert len(errors) == 4 and all(abs(e - p) <= 0.1 * p for e, p in zip(errors, predicted)), summary
+
+
+def test_a_wrong_fp8_mlp_result_fails(monkeypatch):
+    """An output 20% off fails the fp8 mlp check."""
+    real = train_gpt.fp8_mlp_forward
+    monkeypatch.setattr(train_gpt, "fp8_mlp_forward", lambda *args: (real(*args)[0], real(*args)[1] * 1.2))
+    with pytest.raises(AssertionError, match=r"relative error out 0\.2"):
+        gpu_check.check_fp8_mlp(torch.device("cpu"), 128, 128)
+
+
 @needs_flex_on_cpu
 def test_a_wrong_flex_result_fails(monkeypatch):
     """FlexAttention against a dense mask whose window holds one key more per query."""
@@ -72,6 +93,20 @@ def test_a_wrong_flex_result_fails(monkeypatch):
                         real(tokens, window + 1 if backend == "sdpa" else window, backend, *rest, **kwargs))
     with pytest.raises(AssertionError, match="relative error"):
         gpu_check.check_flex(torch.device("cpu"), 256, backward=False, heads=1, head_dim=32, stages=1)
+
+
+@pytest.mark.parametrize("change", ["window 113", "no documents"])
+def test_a_wrong_composition_fails(monkeypatch, change):
+    """The composed attention with a window of one key more, or documents ignored, against the check's reference."""
+    real = train_gpt.composed_attention_correction
+    if change == "window 113":
+        wrong = functools.partial(real, window=train_gpt.COMPOSITION_WINDOW + 1)
+    else:
+        def wrong(y, q, k, v, mix, gain, starts, scale):
+            return real(y, q, k, v, mix, gain, torch.zeros_like(starts), scale)
+    monkeypatch.setattr(train_gpt, "composed_attention_correction", wrong)
+    with pytest.raises(AssertionError, match="times its allowance"):
+        gpu_check.check_composition(torch.device("cpu"), 1024, heads=2, head_dim=32)
 
 
 def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(monkeypatch):
@@ -87,7 +122,7 @@ def test_the_environment_row_passes_on_every_tested_torch_and_fails_on_another(m
         gpu_check.check_environment(torch.device("cpu"))
 
 
-BENCH_RUN = ["--preset=cpu", *TINY_FORMS, "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64", "--seq_len=256",
+BENCH_RUN = ["--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--seq_len=256",
              "--batch_slots=2", "--compile=false", "--dtype=float32", "--vocab_size=50304", "--packed_doc_len=128",
              "--num_iterations=6", "--window_stages=1,2", "--steps=1"]
 
@@ -134,7 +169,7 @@ def test_the_bench_runs_real_steps_on_two_processes(capsys):
     test_the_bench_times_one_stage_alone's, the launch of workers the all-reduce check's
     (test_on_cpu_it_runs_the_cpu_checks_and_skips_the_gpu_ones)."""
     report = gpu_check.bench_main([*BENCH_RUN, "--processes=2"]).splitlines()
-    assert report[0].startswith("bench: preset cpu, 2 layers x 64, 2 x 256 tokens a step; 2 process(es) on cpu (CPU), "
+    assert report[0].startswith("bench: preset cpu, 4 layers x 64, 2 x 256 tokens a step; 2 process(es) on cpu (CPU), "
                                 "1 micro-step(s) each; dtype float32, compile False; torch ")
     assert [line.split(":")[0] for line in report[1:3]] == ["2 x 256 tokens, window 1 (32 tokens), 3 steps",
                                                              "2 x 256 tokens, window 2 (64 tokens), 3 steps"]

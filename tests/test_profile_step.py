@@ -14,7 +14,7 @@ import train_gpt  # noqa: E402
 def test_it_profiles_real_training_steps():
     report = profile_step.main([*TINY_RUN, "--top=6", "--steps=1"])
     lines = report.splitlines()
-    assert lines[0].startswith("preset cpu: 2 layers x 64, 2 x 128 tokens a step (the first stage's), dtype float32, "
+    assert lines[0].startswith("preset cpu: 4 layers x 64, 2 x 128 tokens a step (the first stage's), dtype float32, "
                                "compile False; cpu")
     assert "1 profiled steps" in lines[1] and "top 6 operations by self time" in lines[1]
     # the table: a header between rules, then six rows (aten operations or profiler ranges such as

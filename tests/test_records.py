@@ -34,7 +34,7 @@ def _load_tool():
 records = _load_tool()
 
 # A model small enough that a run is mostly interpreter start-up; val_loss_every=1 gives a curve.
-TINY_ANY_SOURCE = ["--preset", "cpu", "--num_layers=2", "--model_dim=64", "--num_heads=1", "--head_dim=64",
+TINY_ANY_SOURCE = ["--preset", "cpu", "--num_layers=4", "--model_dim=64", "--num_heads=2", "--head_dim=32",
                    "--seq_len=128", "--val_seq_len=128", "--val_tokens=1024", "--batch_slots=2", "--val_loss_every=1",
                    f"--vocab_size={TINY_VOCAB}", "--compile=false"]  # compiling would cost most of each tiny run
 TINY = [*TINY_ANY_SOURCE, *TINY_FORMS]  # what the current source needs at this size (conftest.py)
@@ -843,7 +843,7 @@ def test_submit_then_list(runs, tmp_path, capsys):
     assert "This is the first record of this track." in readme
     assert f"mean final val loss: {np.mean(losses):.4f}" in readme
     assert f"{pvalue:.4g}" in readme
-    assert "--preset cpu" in readme and "--num_layers=2" in readme and "--run_id" not in readme
+    assert "--preset cpu" in readme and "--num_layers=4" in readme and "--run_id" not in readme
     # the command carries the memory settings the logs say the runs had (./run.sh's)
     huge_pages = "  huge pages: on" in p["base"].read_text()
     settings = "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736" + (" THP_MEM_ALLOC_ENABLE=1" if huge_pages else "")

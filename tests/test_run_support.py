@@ -173,3 +173,37 @@ def test_run_sh_checks_the_torch_it_was_asked_for():
                              text=True, timeout=60)
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr == "run.sh: --torch=2.11 is not a torch release; give one such as 2.11.0\n"
+
+
+def test_the_gpt2_ranks_are_the_tokenizers_from_the_named_file_or_the_cache(gpt2_ranks_file, tmp_path, monkeypatch):
+    """gpt2_ranks() reads the file GPT2_TIKTOKEN_FILE names, else data/cache's (where data/gpt2_tokenizer.py fetches
+    it), under data/gpt2_tokenizer.py's sha256 pin: the same ranks as its parser's. A missing file, and one of other
+    bytes, are a one-line ConfigError naming the file and what to do."""
+    import gpt2_tokenizer  # data/, on sys.path through conftest
+
+    data = gpt2_ranks_file.read_bytes()
+    assert support.GPT2_RANKS_SHA256 == gpt2_tokenizer.RANKS_SHA256
+    assert support.GPT2_RANKS_CACHE == gpt2_tokenizer.CACHE_DIR / gpt2_tokenizer.RANKS_FILENAME
+    assert support.GPT2_RANKS_VARIABLE == gpt2_tokenizer.ENV_VAR
+    ranks = support.gpt2_ranks({"GPT2_TIKTOKEN_FILE": str(gpt2_ranks_file)})
+    assert ranks == gpt2_tokenizer._parse_ranks(data) and len(ranks) == 50256
+    cached = tmp_path / "cache" / "gpt2.tiktoken"
+    monkeypatch.setattr(support, "GPT2_RANKS_CACHE", cached)
+    fetch = "fetch it with: python data/gpt2_tokenizer.py (or set GPT2_TIKTOKEN_FILE to a copy of gpt2.tiktoken)"
+    with pytest.raises(support.ConfigError) as missing:
+        support.gpt2_ranks({})
+    assert str(missing.value) == f"GPT-2 ranks {cached}: No such file or directory; {fetch}"
+    cached.parent.mkdir()
+    cached.write_bytes(data)
+    assert support.gpt2_ranks({"GPT2_TIKTOKEN_FILE": ""}) == ranks
+    cached.write_bytes(data.replace(b" 0\n", b" 1\n", 1))
+    with pytest.raises(support.ConfigError) as bad:
+        support.gpt2_ranks({})
+    assert str(bad.value) == (f"GPT-2 ranks {cached}: not the pinned file (sha256 {gpt2_tokenizer.RANKS_SHA256}); "
+                              f"{fetch}")
+    named = tmp_path / "nowhere.tiktoken"
+    with pytest.raises(support.ConfigError) as unnamed:
+        support.gpt2_ranks({"GPT2_TIKTOKEN_FILE": str(named)})
+    assert str(unnamed.value) == (f"GPT-2 ranks GPT2_TIKTOKEN_FILE={named}: No such file or directory; point it at an "
+                                  "unmodified gpt2.tiktoken")
+    assert all("\n" not in str(e.value) for e in (missing, bad, unnamed))

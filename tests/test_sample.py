@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CYCLE_STEPS, EOT, ROOT
-from test_model import randomize_, records_structure_gpt, summed_loss
+from test_model import randomize_, summed_loss
 
 import run_support
 import train_gpt
@@ -39,9 +39,9 @@ def test_loaded_rotary_follows_the_checkpoints_yarn(trained, tmp_path):
     made with YaRN on, so its frequencies are rescaled (from window 2 to 3 here), as yarn=true's are."""
     checkpoint = trained[0]
     state = torch.load(checkpoint, weights_only=True)
-    rescaled = train_gpt.Rotary(64, 512)
+    rescaled = train_gpt.Rotary(32, 512)  # the trained model's head_dim
     rescaled.rescale(2, 3)
-    for yarn, expected in ((False, train_gpt.Rotary(64, 512).freqs), (None, rescaled.freqs), (True, rescaled.freqs)):
+    for yarn, expected in ((False, train_gpt.Rotary(32, 512).freqs), (None, rescaled.freqs), (True, rescaled.freqs)):
         if yarn is None:
             state["hyperparameters"].pop("yarn")
         else:
@@ -150,7 +150,7 @@ def test_loaded_model_gives_the_runs_final_validation_loss(trained):
     exact_logits, logit_bounds = first_order_bound(lambda: target_logits(exact_model))
     with torch.no_grad():
         assert ((target_logits(model).double() - exact_logits).abs() <= logit_bounds).all()
-        model.rotary = train_gpt.Rotary(64, model.max_seq_len)
+        model.rotary = train_gpt.Rotary(model.blocks[0].attn.head_dim, model.max_seq_len)
         assert ((target_logits(model).double() - exact_logits).abs() > logit_bounds).any()
 
 
@@ -204,7 +204,7 @@ def randomized_gpt():
     blocks."""
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(50257, 4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512,
-                                              windows=(1, 2, 3)))
+                                              windows=(1, 2, 3), backout_layer=2))
     return randomize_(model, seed=0).eval()
 
 
@@ -227,12 +227,14 @@ def test_compiled_generation_gives_the_eager_tokens(randomized_gpt, backend):
 
 
 def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomized_gpt):
-    """sample.in_dtype(bfloat16) against bfloat16 embeddings with float32 weights that the forward casts at every
-    call: the same logits to the bit, token after token through the cache."""
+    """sample.in_dtype(bfloat16) against bfloat16 embeddings (and the coefficient networks' weights, which the forward
+    takes uncast) with float32 weights that the forward casts at every call: the same logits to the bit, token after
+    token through the cache."""
     training_layout = copy.deepcopy(randomized_gpt)
-    for table in [training_layout.embed, training_layout.bigram_embed]:
-        table.to(torch.bfloat16)
-    training_layout.value_embeds.data = training_layout.value_embeds.data.bfloat16()
+    for p in (training_layout.embed.weight, training_layout.bigram_embed.weight, training_layout.value_embeds,
+              *[p for net in (training_layout.gates, training_layout.mudd) for p in (net.w1, net.w2, net.b2)]):
+        p.data = p.data.bfloat16()
+    training_layout.bigram_signs = training_layout.bigram_signs.bfloat16()
     cast_once = sample.in_dtype(copy.deepcopy(randomized_gpt), torch.bfloat16)
     assert cast_once.lm_head.weight.dtype == torch.bfloat16 and cast_once.scalars.dtype == torch.float32
     caches = [sample.KVCache(4), sample.KVCache(4)]
@@ -245,13 +247,15 @@ def test_weights_cast_once_give_the_logits_of_weights_cast_at_every_call(randomi
 
 @pytest.fixture(scope="module")
 def randomized_records_structure_gpt():
-    """randomized_gpt with the later records' structure: the 6-layer U without its layer 0, the key offset on its long
-    layer 4 (whose first new position reads the cached raw key before it), the smear (likewise the cached token), a
-    sigmoid-gated skip (1 into 2), the backout after block 2, and paired heads in layers 0 and 1 (their cache holds
-    each token's two positions)."""
-    return randomize_(records_structure_gpt(num_layers=5, backout_layer=2, windows=(1, 2, 3), skip_layers=(2,),
-                                            paired_layers=(0, 1)),
-                      seed=0).eval()
+    """randomized_gpt with more of the records' structure: the 6-layer U without its layer 0, the key offset on its
+    long layer 4 (whose first new position reads the cached raw key before it), the smear (likewise the cached token),
+    the skip 0 into the attention-free 3, layers 3 and 4 attending over block 2's output, XSA in layer 2 (over the new
+    positions' own values), and paired heads in layers 0 and 1 (their cache holds each token's two positions)."""
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(50257, 5, num_heads=2, head_dim=16, model_dim=32, max_seq_len=512,
+                                              windows=(1, 2, 3), backout_layer=2, paired_layers=(0, 1),
+                                              xsa_layers=(2,)))
+    return randomize_(model, seed=0).eval()
 
 
 @pytest.mark.parametrize("structure", ["randomized_gpt", "randomized_records_structure_gpt"])
@@ -414,7 +418,7 @@ def corrupt(tmp_path, checkpoint):
 def other_shape(tmp_path, checkpoint):
     """The weights of the checkpoint under hyperparameters of a wider model."""
     state = torch.load(checkpoint, weights_only=True)
-    state["hyperparameters"].update(model_dim=128, head_dim=128)
+    state["hyperparameters"].update(model_dim=128, head_dim=64)
     path = tmp_path / "other_shape.pt"
     torch.save(run_support.seal(state, "cycle", "edited", None), path)
     return path

@@ -86,12 +86,12 @@ def test_the_records_structure_trains_and_its_checkpoint_loads_for_sampling(tiny
     state = torch.load(result["checkpoints"][-1], map_location="cpu", weights_only=False)
     assert state["model"]["lm_head.weight"].dtype == state["model"]["smear_gate.weight"].dtype == torch.bfloat16
     assert state["optimizers"][0]["state"][0]["exp_avg"].dtype == torch.float32
-    assert model.num_layers == 5 and model.skip_layers == (2, 3) and model.backout_layer == 2
+    assert model.num_layers == 5 and model.skip_source == 0 and model.backout_layer == 2
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [4]
     assert model.smear_gate.weight.any()  # moved from its zero init
-    trained = model.scalars[[model.smear_index, model.backout_index]].detach()
-    assert (trained != torch.tensor([0.0, 0.5])).all()  # the smear's and the backout's lambdas from their inits
-    assert model.bigram_embed.weight.any() and (model.scalars[15:20] != 0.1).all()  # the bigram table and lambdas
+    trained = model.scalars[10:].detach()
+    assert (trained != torch.tensor([0.0, -1.5])).all()  # the smear's and the skip's lambdas from their inits
+    assert model.bigram_embed.weight.any() and model.gates.w2.any() and model.mudd.w2.any()  # the table, the networks
 
 
 def muon_step_by_hand(adam, muon, step, args):
@@ -107,13 +107,15 @@ def muon_step_by_hand(adam, muon, step, args):
 def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
     """Adam every ADAM_EVERY = 2 steps, in one process without buckets: after step 0 Adam's parameters have not moved
     and Muon's have; after step 1 every parameter equals a run of the same optimizers by hand, Muon stepping each step
-    on that step's gradient (multi-token weights and all) and Adam once, on step 0's gradient plus step 1's, added
-    here (one micro-step a step: autograd adds them in that one operation too), the tied embedding's sum joining the
-    lm_head's and the embedding taking the lm_head's new values."""
+    on that step's gradient (multi-token and prefix token's weights and all, a prefix table given) and Adam once, on
+    step 0's gradient plus step 1's, added here (one micro-step a step: autograd adds them in that one operation too),
+    the tied embedding's sum joining the lm_head's and the embedding taking the lm_head's new values."""
     assert train_gpt.ADAM_EVERY == 2
     args, _ = train_gpt.parse_args([*TINY_RUN, "--batch_slots=1", "--num_iterations=100"], "cpu")
     plan = train_gpt.plan_device(args, torch.device("cpu"))
-    trainer = train_gpt.Trainer(args, 0, 1, plan)
+    table = torch.randint(-1, TINY_VOCAB, (1024,), generator=torch.Generator().manual_seed(1))
+    trainer = train_gpt.Trainer(args, 0, 1, plan, table)
+    assert torch.equal(trainer.model.prefix_table, table) and trainer.prefix_weights[0].item() == 0.25
     model = copy.deepcopy(trainer.model)
     adam, muon = train_gpt.build_optimizers(model, args, plan=plan)
     adam.idle = {model.embed.weight}  # tied until long after step 1
@@ -125,7 +127,7 @@ def test_adam_steps_every_second_step_on_two_steps_gradients_summed_by_hand():
     for step, batch in enumerate(batches):
         trainer.train_step(step, batch)
         # the first window stage's, times the record's grad_scale 1 / (1 micro-step)
-        (model(*batch[0], trainer.window, None, trainer.mtp_weights[step]) * 1.0).backward()
+        (model(*batch[0], trainer.window, None, trainer.mtp_weights[step], trainer.prefix_weights[step]) * 1.0).backward()
         for p in adam_params:
             summed[p] = p.grad.clone() if step == 0 else summed[p] + p.grad
             p.grad = None
@@ -163,7 +165,8 @@ def test_a_tied_embedding_joins_the_lm_heads_gradient_on_adams_step_by_hand():
     for step, batch in enumerate(batches):
         trainer.train_step(step, batch)
         for inputs, targets in batch:
-            (model(inputs, targets, trainer.window, None, trainer.mtp_weights[step]) * (1 / 2)).backward()  # 1 / micro-steps
+            loss = model(inputs, targets, trainer.window, None, trainer.mtp_weights[step], trainer.prefix_weights[step])
+            (loss * (1 / 2)).backward()  # 1 / micro-steps
         muon_step_by_hand(adam, muon, step, args)
     model.lm_head.weight.grad.add_(model.embed.weight.grad)
     adam.step()
@@ -179,9 +182,9 @@ def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, 
     calls = []
     forward = train_gpt.GPT.forward
 
-    def recorded(self, input_seq, target_seq, window, long_window=None, mtp_weights=None):
+    def recorded(self, input_seq, target_seq, window, long_window=None, mtp_weights=None, prefix_weight=None):
         calls.append((self.training, window, long_window))
-        return forward(self, input_seq, target_seq, window, long_window, mtp_weights)
+        return forward(self, input_seq, target_seq, window, long_window, mtp_weights, prefix_weight)
 
     monkeypatch.setattr(train_gpt.GPT, "forward", recorded)
     run(tiny_shards, tmp_path, "--num_iterations=4", "--val_loss_every=2", "--window_stages=2,4", "--final_window=8",
@@ -190,6 +193,32 @@ def test_only_the_last_validation_widens_the_long_window(tiny_shards, tmp_path, 
     sequences = 1024 // 128  # TINY_RUN's val_tokens over its val_seq_len
     assert validations == [(2, None)] * sequences + [(4, None)] * sequences + [(8, 16)] * sequences  # steps 0, 2, 4
     assert all(long_window is None for training, _, long_window in calls if training)
+
+
+def test_a_run_trains_with_the_gpt2_ranks_prefix_table_and_each_steps_weight(tiny_shards, tmp_path, monkeypatch,
+                                                                            gpt2_ranks_file):
+    """main gives the model prefix_table() of the GPT-2 ranks (run_support.gpt2_ranks: the file GPT2_TIKTOKEN_FILE
+    names) over the padded vocabulary before the first step, and each step prefix_weight_at's weight as a float32
+    device tensor made once. Without the ranks the run stops before it writes anything, naming the file."""
+    seen, original = [], train_gpt.Trainer.train_step
+
+    def recorded(self, step, batch):
+        seen.append((step, self.model.prefix_table.clone(), self.prefix_weights[step]))
+        return original(self, step, batch)
+
+    monkeypatch.setattr(train_gpt.Trainer, "train_step", recorded)
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(gpt2_ranks_file))
+    run(tiny_shards, tmp_path, "--num_iterations=6", "--val_loss_every=0")
+    args, _ = train_gpt.parse_args([*TINY_RUN, "--num_iterations=6"], "cpu")
+    table = train_gpt.prefix_table(support.gpt2_ranks(), 1024)
+    assert [step for step, _, _ in seen] == list(range(6)) and all(torch.equal(t, table) for _, t, _ in seen)
+    assert all(w.dtype == torch.float32 and w.shape == () and w.item() == train_gpt.prefix_weight_at(step, args)
+               for step, _, w in seen)
+    assert [w.item() for _, _, w in seen] == [0.25, 0.25, 0.25, 0.125, 0.0, 0.0]
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "missing.tiktoken"))
+    with pytest.raises(support.ConfigError, match=r"^GPT-2 ranks GPT2_TIKTOKEN_FILE=.*missing.tiktoken: No such file"):
+        run(tiny_shards, tmp_path / "without")
+    assert not (tmp_path / "without").exists()
 
 
 def test_a_run_on_an_untested_torch_warns_once_and_trains(tiny_shards, tmp_path, monkeypatch, capsys):
@@ -218,10 +247,11 @@ def test_log_starts_with_the_exact_source_and_names_what_is_off(tiny_shards, tmp
     assert f"python {sys.version.split()[0]} | {support.torch_description()}" in header
     assert "warning:" not in header  # the suite runs on tested releases only
     assert "hardware: 1x CPU" in header
-    for line in ("  fp8 lm_head: off (needs CUDA compute capability >= 8.9; this device is cpu)",
+    for line in ("  fp8 lm_head and MLPs: off (needs CUDA compute capability >= 8.9; this device is cpu)",
                  "  attention: SDPA with dense masks (FlexAttention has no backward on cpu",
                  "  compile: off (compile=false)", "  dtype: float32", "  num_iterations: 2", "  seq_len: (128,)",
-                 "key offset on layers [0]; long-window layers [0, 1]; heads paired on layers []; matrices float32",
+                 "key offset on layers [0, 3]; long-window layers [0, 3]; heads paired on layers [1]; skip from layer 1; "
+                 "later layers attend over layer 2's output; XSA on layers [0]; matrices float32",
                  "2 sequences x 128 tokens per step = 1 ranks x 2 micro-steps; consecutive tokens\n",
                  "windows (units of 32 tokens; short layers half): 2, 4, 8, 16, 32 in equal parts of training, 32 for "
                  "the final validation; softmax scale by window 2: 0.1200000, 4: 0.1200000, 8: 0.1200000, 16: 0.1200000, "
@@ -333,7 +363,7 @@ def test_restore_replays_every_window_change_up_to_its_step():
 def test_resume_refuses_another_configuration(tiny_shards, tmp_path):
     first = run(tiny_shards, tmp_path, "--num_iterations=2", "--save_checkpoint", run_id="first")
     with pytest.raises(train_gpt.ConfigError, match=r"model_dim \(checkpoint 64, now 128\).*muon_lr"):
-        run(tiny_shards, tmp_path, "--num_iterations=2", "--model_dim=128", "--head_dim=128", "--muon_lr=0.01",
+        run(tiny_shards, tmp_path, "--num_iterations=2", "--model_dim=128", "--head_dim=64", "--muon_lr=0.01",
             f"--resume={first['checkpoints'][-1]}", run_id="second")
 
 
@@ -387,7 +417,8 @@ def test_a_non_finite_validation_loss_stops_the_run_naming_the_step(tiny_shards,
 
 # Muon's weight decay off: tied to lr^2, it would take the weights past float32's range. Far larger lrs saturate
 # every logit alike (the loss then ln(1024), not above it), or overflow the activations.
-HUGE_LRS = ["--head_lr=100", "--embed_lr=100", "--scalar_lr=100", "--muon_lr=100", "--muon_cautious_wd=0"]
+# Muon's lr at 100 would overflow float32 through the dense connections and stop the run on a non-finite loss instead
+HUGE_LRS = ["--head_lr=100", "--embed_lr=100"]
 ENTROPY_LINE = re.compile(r"^final val loss (\S+) nats vs (\S+) for the validation tokens' unigram entropy: (\S+) nats "
                           r"(above|below)$", re.M)
 
@@ -401,7 +432,7 @@ def run_script(tiny_shards, tmp_path, *extra, run_id):
 
 
 def test_a_diverged_run_writes_everything_then_says_so_and_exits_3(tiny_shards, tmp_path):
-    """The main learning rates at 100: the softcap keeps the loss finite, so nothing stops the run. Without a step-0
+    """The lm_head's and the embedding's learning rates at 100: the softcap keeps the loss finite, so nothing stops the run. Without a step-0
     validation (the cpu preset's) it is judged against ln(1024), the loss of uniform predictions, near which the
     untrained model's lies."""
     status, stderr, log = run_script(tiny_shards, tmp_path, "--num_iterations=3", "--save_checkpoint", *HUGE_LRS,
@@ -668,28 +699,32 @@ def test_a_corrupt_later_shard_is_refused_when_the_stream_is_made(tmp_path):
 
 @pytest.mark.numerics
 def test_each_optimizer_group_gets_its_lr():
-    """The record's Adam groups: lrs, betas (2026-01-04) and cautious weight decay multipliers (2025-12-29) by parameter
-    kind, the hidden matrices but the gates Muon's. Adam's first step moves every parameter by lr * sign(grad) (as the
-    record's formula by hand, within its float32 rounding, its moments float32 here), so each group's lr shows; the
-    gradients push every weight away from zero, where the cautious decay adds nothing."""
-    args = train_gpt.Hyperparameters(num_layers=4, model_dim=64, num_heads=1, head_dim=64, paired_head_layers="none")
-    model = train_gpt.GPT(train_gpt.GPTConfig(args.vocab_size, 4, 1, 64, 64, 128))
+    """The record's Adam groups: lrs and lr_mul factors (the dense connections' and gate networks' on gate_lr, as
+    HEAD's), betas (2026-01-04) and cautious weight decay multipliers (2025-12-29) by parameter kind, the networks'
+    biases and learned scale without decay; the hidden matrices but the value-embedding gates Muon's. Adam's first step
+    moves every parameter by lr * lr_mul * sign(grad) (as the record's formula by hand, within its float32 rounding,
+    its moments float32 here), so each group's lr shows; the gradients push every weight away from zero, where the
+    cautious decay adds nothing."""
+    args = train_gpt.Hyperparameters(num_layers=4, model_dim=64, num_heads=2, head_dim=32, backout_layer=2)
+    model = train_gpt.GPT(train_gpt.GPTConfig(args.vocab_size, 4, 2, 32, 64, 128, backout_layer=2))
     adam, muon = train_gpt.build_optimizers(model, args)
-    groups = {tuple(map(id, g["params"])): (g["lr"], g["wd_mul"], g["betas"]) for g in adam.param_groups}
-    gates = [gate.weight for block in model.blocks if block.attn is not None
-             for gate in (block.attn.attn_gate, block.attn.ve_gate) if gate is not None]
-    assert len(gates) == 5  # every attention layer's (0, 1, 3; 2 has none), and those of 1 and 3's value embeddings
+    groups = {tuple(map(id, g["params"])): (g["lr"], g["lr_mul"], g["wd_mul"], g["betas"]) for g in adam.param_groups}
+    gates = [block.attn.ve_gate.weight for block in model.blocks if block.attn is not None and block.attn.ve_gate]
+    assert len(gates) == 1  # layer 1's; the last layer's value embedding is gated by the dense connections
     tables = (id(model.value_embeds), id(model.bigram_embed.weight))
-    assert groups == {(id(model.lm_head.weight),): (args.head_lr, 150.0, (0.5, 0.95)),
-                      (id(model.embed.weight),): (args.embed_lr, 150.0, (0.5, 0.95)),
-                      tables: (args.value_embed_lr, 5.0, (0.75, 0.95)),
-                      tuple(map(id, gates)): (args.gate_lr, 1.0, (0.9, 0.99)),
-                      (id(model.smear_gate.weight),): (args.smear_gate_lr, 0.0, (0.9, 0.99)),
-                      (id(model.skip_gate.weight),): (args.skip_gate_lr, 0.0, (0.9, 0.99)),
-                      (id(model.scalars),): (args.scalar_lr, 0.0, (0.9, 0.99)),
-                      (id(model.resid_lambdas),): (args.scalar_lr, 0.0, (0.9, 0.95)),
-                      (id(model.post_lambdas), id(model.x0_lambdas), id(model.bigram_lambdas)):
-                          (args.scalar_lr / 5, 0.0, (0.9, 0.95))}
+    mudd, nets, gate_lr = model.mudd, model.gates, args.gate_lr
+    assert groups == {(id(model.lm_head.weight),): (args.head_lr, 1.0, 150.0, (0.5, 0.95)),
+                      (id(model.embed.weight),): (args.embed_lr, 1.0, 150.0, (0.5, 0.95)),
+                      tables: (args.value_embed_lr, 1.0, 5.0, (0.75, 0.95)),
+                      tuple(map(id, gates)): (gate_lr, 1.0, 1.0, (0.9, 0.99)),
+                      (id(model.smear_gate.weight),): (args.smear_gate_lr, 1.0, 0.0, (0.9, 0.99)),
+                      (id(model.scalars),): (args.scalar_lr, 1.0, 0.0, (0.9, 0.99)),
+                      (id(model.resid_lambdas),): (args.scalar_lr, 1.0, 0.0, (0.9, 0.95)),
+                      (id(model.post_lambdas),): (args.scalar_lr / 5, 1.0, 0.0, (0.9, 0.95)),
+                      (id(mudd.w1), id(mudd.w2)): (gate_lr, 0.25, 1.0, (0.9, 0.99)),
+                      (id(mudd.b2),): (gate_lr, 0.25, 0.0, (0.9, 0.99)),
+                      (id(nets.w1), id(nets.w2)): (gate_lr, 0.1, 1.0, (0.9, 0.99)),
+                      (id(nets.b2), id(nets.scale)): (gate_lr, 0.1, 0.0, (0.9, 0.99))}
     assert all(g["weight_decay"] == 0.005 for g in adam.param_groups)
     assert {id(p) for g in muon.param_groups for p in g["params"]} == \
         {id(p) for p in model.blocks.parameters() if p.ndim >= 2} - set(map(id, gates))
@@ -699,10 +734,11 @@ def test_each_optimizer_group_gets_its_lr():
         p.grad = away * (1 + torch.rand_like(p))  # |grad| >= 1: eps is negligible
     adam.step()
     for group in adam.param_groups:
+        lr = group["lr"] * group["lr_mul"]
         for p in group["params"]:
-            expected, bound, relative = adam_by_hand(before[p], [p.grad], [group["lr"]], group["betas"], group["eps"],
+            expected, bound, relative = adam_by_hand(before[p], [p.grad], [lr], group["betas"], group["eps"],
                                                      torch.float32)
-            assert_within(p.detach(), expected, bound, f"Adam's first step at lr {group['lr']}", relative)
+            assert_within(p.detach(), expected, bound, f"Adam's first step at lr {lr}", relative)
 
 
 def test_ranks_split_the_same_global_batch(tiny_shards):
@@ -739,37 +775,35 @@ def test_overrides_and_flags_parse():
     assert args.resume == "x.pt" and args.muon_lr == 0.1 and args.num_layers == 11 and args.window_stages == (2, 5)
 
 
-# What TINY_RUN's forms leave out of the records' structure: an odd depth, the backout, paired heads, their softcap.
+# What TINY_RUN's forms leave out of the records' structure: an odd depth, paired heads beside XSA, their softcap.
 RECORDS_STRUCTURE = ["--num_layers=5", "--backout_layer=2", "--logit_cap=23", "--logit_offset=5", "--num_heads=2",
-                     "--head_dim=32", "--paired_head_layers=0,1"]
+                     "--head_dim=32", "--paired_head_layers=0,1", "--xsa_layers=2"]
 RECORDS_DTYPES = ["--dtype=bfloat16"]  # every parameter but the scalars, and the rotary tables, in the run's dtype
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--seq_len=256,100"], "seq_len=256,100 must be positive multiples of 128"),
     (["--val_seq_len=200"], "val_seq_len=200 must be positive multiples of 128"),
-    (["--num_layers=1"], "num_layers=1 must be at least 2"),
+    (["--num_layers=3"], "num_layers must be >= 4 and num_heads even (the last layer's 2-lane value-embedding gate), "
+                         "got 3 and 2"),
     (["--val_tokens=1000"], "val_tokens=1000 must be a positive multiple of val_seq_len"),
     (["--window_stages=2,0"], "window_stages=2,0, final_window=32 and window_unit=32 must be at least 1"),
     (["--packed_doc_len=-1"], "packed_doc_len=-1 must be positive (packed documents, one clip per stage) or 0"),
     (["--packed_doc_len=896,0"], "packed_doc_len=896,0 must be positive"),
     (["--head_dim=62"], "head_dim=62 must be a multiple of 4 (rotary on half of the dims, in pairs)"),
-    (["--num_heads=2"], "num_heads x head_dim = 2 x 64 must equal model_dim=64 (q, k, v and the output projection "
+    (["--num_heads=4"], "num_heads x head_dim = 4 x 32 must equal model_dim=64 (q, k, v and the output projection "
                         "are model_dim x model_dim)"),
     (["--cooldown_frac=1.5"], "cooldown_frac=1.5 must be within [0, 1]"),
     (["--muon_neuron_beta2=1"], "muon_neuron_beta2=1.0 must be within [0, 1) (0: NorMuon off)"),
     (["--muon_cautious_wd=-1"], "muon_cautious_wd=-1.0 must be >= 0 (0: off)"),
-    (["--num_layers=4", "--skip_layers=1"], "skip_layers=1: all, none, or decoder layers with a partner, "
-                                            "comma-separated (2 to 3 here)"),
-    (["--num_layers=5", "--skip_layers=2,4"], "skip_layers=2,4: all, none, or decoder layers with a partner, "
-                                              "comma-separated (2 to 3 here)"),
-    (["--skip_layers=two"], "skip_layers=two: all, none, or decoder layers"),
+    (["--xsa_layers=1"], "xsa_layers=1: layers with attention, heads alone, not the last"),
+    (["--xsa_layers=two"], "xsa_layers=two: none, or layers"),
     (["--checkpoint_every=3"], "checkpoint_every=3 must be a multiple of 2, Adam's steps: a checkpoint between them "
                                "would drop the gradients Adam has summed so far"),
     (["--num_iterations=0"], "num_iterations=0 must be at least 1"),
     (["--extension_steps=10"], "extension_steps=10 must be within [0, num_iterations=10)"),
     (["--muon_momentum_cooldown_steps=-1"], "muon_momentum_cooldown_steps=-1 must be within [0, num_iterations=10)"),
-    (["--backout_layer=2"], "backout_layer=2 must be a layer below num_layers=2, or -1 for none"),
+    (["--backout_layer=3"], "backout_layer must lie between the skip's source 1 and the last layer 3, got 3"),
     (["--logit_cap=90"], "logit_cap=90.0 must be within (0, 81.8)"),
 ])
 def test_bad_settings_fail_before_training(tiny_shards, tmp_path, extra, message):
@@ -800,16 +834,17 @@ def test_import_is_silent():
 
 
 def test_record_preset_is_the_published_record():
-    """The record preset keeps the published record's (2026-04-08 PairedHeadMuon) choices, the forms every run
-    has fixed in constants; the project's own are settings."""
+    """The record preset keeps the published record's (upstream HEAD f411b3d3) choices, the forms every run has fixed
+    in constants; the project's own are settings."""
     args, _ = train_gpt.parse_args([], "record")
-    assert (args.muon_lr, args.muon_neuron_beta2, args.muon_cautious_wd, args.skip_layers) == (0.023, 0.9, 1.2, "6")
-    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1480, 40, 0.6)
+    assert (args.muon_lr, args.muon_neuron_beta2, args.muon_cautious_wd) == (0.023, 0.9, 1.2)
+    assert (args.num_iterations, args.extension_steps, args.cooldown_frac) == (1285, 15, 0.6)
     assert args.num_layers == 11 and args.adam_eps == 1e-10
     assert (args.head_lr, args.embed_lr, args.value_embed_lr, args.scalar_lr) == (0.008, 0.008, 0.6, 0.04)
     assert args.scalar_lr / train_gpt.SCALAR_LR_MUL == 0.008  # the stream's other lambdas' lr, exactly
-    assert (args.gate_lr, args.smear_gate_lr, args.skip_gate_lr) == (0.008, 8e-5, 4e-4)
-    assert args.paired_head_layers == "0,2,5,9"
+    assert (args.gate_lr, args.smear_gate_lr) == (0.008, 8e-5)
+    assert (train_gpt.MUDD_LR_MUL, train_gpt.GATE_NETS_LR_MUL) == (0.25, 0.1)
+    assert (args.paired_head_layers, args.xsa_layers) == ("0,2,5,9", "1,3,4,7")
     assert (args.logit_cap, args.logit_offset) == (23.0, 5.0)
     assert (args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps) == (300, 50)
     assert (args.seq_len, args.batch_slots, args.val_loss_every) == ((16384, 32768, 49152), 8, 250)
@@ -822,24 +857,25 @@ def test_record_preset_is_the_published_record():
         dict(head=(0.5, 0.95), value_embeds=(0.75, 0.95), gates=(0.9, 0.99), stream=(0.9, 0.95)), 0.005, 2)
     assert (train_gpt.LR_STAGE_PEAKS, train_gpt.MTP_WEIGHTS, train_gpt.UNTIE_EMBED_FRAC) == (
         (1.0, 1.52, 1.73), (1.0, 0.5, 0.25), 2 / 3)
-    assert (train_gpt.MLP_DOWN_LR_MUL, train_gpt.RESIDUAL_LAMBDA_INIT, train_gpt.BIGRAM_LAMBDA_INIT) == (2.0, 1.1**0.5, 0.05)
-    assert (train_gpt.LR_FLOOR, train_gpt.LOSS_BLOCK) == (0.15, 2048)
+    assert (train_gpt.MLP_DOWN_LR_MUL, train_gpt.RESIDUAL_LAMBDA_INIT, train_gpt.BIGRAM_INIT) == (2.0, 1.1**0.5, 0.05)
+    assert (train_gpt.BIGRAM_ROWS_PER_TOKEN, train_gpt.BIGRAM_SIGN_ROWS, train_gpt.XSA_FLOOR) == (7.5, 8192, 1e-8)
+    assert (train_gpt.LR_FLOOR, train_gpt.PREFIX_WEIGHT) == (0.15, 0.25)
     assert (train_gpt.VE_INIT_STD, train_gpt.HEAD_INIT_STD) == (0.01, 0.005)
     assert train_gpt.ORTHOGONALIZATION_STEPS == 5  # Polar Express's
     assert train_gpt.LM_HEAD_FP8_SCALES == (100 / 448, 1.6 / 448, 0.75 / 448) and train_gpt.LOSS_SCALE == 1.0
     for world_size, grad_s in ((1, 1 / 8 * 0.75 / 448), (8, 1 * 0.75 / 448)):  # the record's grad_scale * 0.75 / 448
         plan = dataclasses.replace(train_gpt.plan_device(args, torch.device("cpu")), fp8=True)
-        model = train_gpt.build_model(dataclasses.replace(args, num_layers=2, model_dim=64, num_heads=1, head_dim=64,
-                                                          skip_layers="all", backout_layer=-1, paired_head_layers="none"),
+        model = train_gpt.build_model(dataclasses.replace(args, num_layers=4, model_dim=64, num_heads=2, head_dim=32,
+                                                          backout_layer=2, paired_head_layers="none", xsa_layers="none"),
                                       128, plan, world_size)
         assert model.fp8_scales == (100 / 448, 1.6 / 448, grad_s), world_size
     help_text = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--help"], capture_output=True, text=True,
                                timeout=120).stdout
-    for shown in ("--num_iterations=1480", "--extension_steps=40", "--cooldown_frac=0.6", "--muon_neuron_beta2=0.9",
+    for shown in ("--num_iterations=1285", "--extension_steps=15", "--cooldown_frac=0.6", "--muon_neuron_beta2=0.9",
                   "--window_stages=3,7,11",
                   "--seq_len=16384,32768,49152", "--num_layers=11", "--logit_cap=23.0",
                   "--final_window=13", "--final_long_window=20", "--packed_doc_len=896,2048,2048", "--warmup_steps=30",
-                  "--attention_scale=0.1", "--yarn=True", "--skip_layers='6'",
+                  "--attention_scale=0.1", "--yarn=True", "--xsa_layers='1,3,4,7'",
                   "--muon_cautious_wd=1.2", "--paired_head_layers='0,2,5,9'", "--adam_eps=1e-10"):
         assert shown in help_text, shown
 

@@ -67,7 +67,8 @@ def bench(args):
     window = max(1, args.seq_len // train_gpt.BLOCK_SIZE)  # the whole sequence, in blocks
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(args.vocab_size, args.num_layers, args.num_heads, args.head_dim,
-                                              args.model_dim, args.seq_len, windows=(window,)))
+                                              args.model_dim, args.seq_len, windows=(window,),
+                                              backout_layer=train_gpt.attention_free_layer(args.num_layers)))
     for p in model.parameters():
         dist.broadcast(p.detach(), 0)
     params = list(model.parameters())

@@ -7,9 +7,12 @@ Prints one row per check (PASS, FAIL or SKIP with the reason) and exits 1 if any
   environment        torch is a release the suite passes on (requirements.txt's pin or another tested one) and
                      can use the NVIDIA GPUs the driver lists; FP8 capability
   fp8 matmul         the FP8 lm_head op against a bf16 matmul, forward and both gradients (record shapes on CUDA)
+  fp8 mlp            the MLP in training with FP8 against the same MLP in bf16, output and gradients (record width)
   flex forward       compiled FlexAttention against SDPA with the same dense masks (record windows and scales; the
                      first stage's on CPU; windows that end inside a block)
   flex backward      the same for the gradients of q, k and v (CUDA: FlexAttention has no backward on CPU)
+  composition        the composed attention correction (the 2026-05-27 record's layer 10) in bf16 against dense
+                     float64 matrices of the same rule, each element within its rounding's allowance
   training steps     the record model compiled on one GPU at a reduced sequence length: step time, tokens/s, MFU
   all-reduce         train_gpt's bucketed all-reduce across processes against the average computed in one
                      (NCCL over every GPU; gloo over 2 CPU processes without CUDA)
@@ -55,7 +58,13 @@ sys.path.insert(0, str(ROOT / "data"))
 import shards  # noqa: E402
 
 FP8_TOLERANCE = 0.08  # relative error of e4m3/e5m2 against bf16: above FP8 rounding, far below a wrong result
+# A rounding to e4m3 (3 mantissa bits) errs by ulp / sqrt(12) RMS, relative 2^-3 sqrt(E[1/m^2] / 12) for a mantissa m
+# log-uniform in [1, 2) (E[1/m^2] = 3 / (8 ln 2))
+E4M3_RMS_ERROR = 2**-3 * (3 / (8 * math.log(2)) / 12) ** 0.5
+FP8_MLP_MARGIN = 1.5  # the fp8 mlp check's limits over the errors that e4m3's roundings predict: a 20% error fails
 ATTENTION_TOLERANCE = 2e-2  # bf16 rounding on CUDA; float32 on CPU agrees far more closely
+BF16_UNIT_ROUNDOFF = 2.0**-8  # a rounding to bf16 (8 significant bits) moves a value by at most this of it
+COMPOSITION_FLOAT32_ERROR = 1e-3  # the composed attention's float32 arithmetic, relative (check_composition says why)
 CHECK_SEQ_LEN = 8 * 1024  # tokens per training step in the training check: compiles and runs in well under a minute
 BENCH_UNTIMED_STEPS = 2  # per training shape of a stage before timing: the first compiles the shape's graphs
 BENCH_DOC_TOKENS = 670  # mean synthetic document: FineWeb's sample-10BT holds about 10B GPT-2 tokens in 15M documents
@@ -72,6 +81,15 @@ class UnusableGPUs(AssertionError):
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def relative_errors(names: tuple[str, ...], got: tuple, want: tuple, limits: list[float]) -> str:
+    """Each result's relative error against its bf16 twin, 'name error, ...'; an AssertionError past its limit."""
+    errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+    text = ", ".join(f"{name} {error:.3f}" for name, error in zip(names, errors, strict=True))
+    if any(error > limit for error, limit in zip(errors, limits, strict=True)):
+        raise AssertionError(f"relative error {text} (limit {', '.join(f'{limit:.3f}' for limit in limits)})")
+    return text
 
 
 def check_environment(device: torch.device) -> str:
@@ -112,12 +130,8 @@ def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: in
         losses = loss(xi, wi, fp8_scales)
         losses.sum().backward()
         results[name] = (logits, losses, xi.grad, wi.grad)
-    errors = [relative_error(a, b) for a, b in zip(results["fp8"], results["bf16"])]
-    if max(errors) > FP8_TOLERANCE:
-        raise AssertionError(f"relative error out {errors[0]:.3f}, loss {errors[1]:.3f}, grad x {errors[2]:.3f}, "
-                             f"grad w {errors[3]:.3f} (limit {FP8_TOLERANCE})")
-    summary = (f"{tokens}x{model_dim} @ {vocab}: rel. error out {errors[0]:.3f}, loss {errors[1]:.3f}, "
-               f"grad x {errors[2]:.3f}, grad w {errors[3]:.3f}")
+    errors = relative_errors(("out", "loss", "grad x", "grad w"), results["fp8"], results["bf16"], [FP8_TOLERANCE] * 4)
+    summary = f"{tokens}x{model_dim} @ {vocab}: rel. error {errors}"
     if device.type == "cuda":
         def step(fp8_scales):
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -125,6 +139,47 @@ def check_fp8(device: torch.device, tokens: int, model_dim: int = 768, vocab: in
         times = {name: cuda_ms(lambda: step(fp8_scales)) for name, fp8_scales in (("fp8", scales), ("bf16", None))}
         summary += f"; loss forward and backward {times['fp8']:.2f} ms vs bf16 {times['bf16']:.2f} ms"
     return summary
+
+
+def fp8_mlp_expected_errors() -> list[float]:
+    """The relative errors that e4m3's roundings predict for the fp8 mlp check's (out, grad x, grad w_up, grad w_down):
+    two rounded operands give pre sqrt(2) E4M3_RMS_ERROR of its spread (random signs); relu^2 of a normal pre gives post
+    sqrt(4/3) x that; the down-projection adds its two operands'. The gradients take post's (grad w_down), or through
+    sqrt(post) pre's (grad x, grad w_up)."""
+    pre = 2**0.5 * E4M3_RMS_ERROR
+    post = (4 / 3) ** 0.5 * pre
+    return [(post**2 + 2 * E4M3_RMS_ERROR**2) ** 0.5, pre, pre, post]
+
+
+def check_fp8_mlp(device: torch.device, tokens: int, model_dim: int = 768) -> str:
+    """The MLP in training with FP8 against itself in bf16, output and gradients: normed normal inputs, both matrices
+    drawn as the record draws the up-projection (a trained down-projection is no longer zero), the down-projection's
+    input scale from another batch (as each forward's comes from the one before). Each error within FP8_MLP_MARGIN x
+    what e4m3's roundings predict (fp8_mlp_expected_errors)."""
+    if device.type == "cuda" and not train_gpt.fp8_supported(device)[0]:
+        raise Skip(train_gpt.fp8_supported(device)[1])
+    g = torch.Generator(device).manual_seed(5)
+    earlier, x = (train_gpt.norm(torch.randn(tokens, model_dim, device=device, generator=g)).bfloat16() for _ in range(2))
+    bound = train_gpt.init_bound(model_dim)
+    weights = [((torch.rand(4 * model_dim, model_dim, device=device, generator=g) * 2 - 1) * bound) for _ in range(2)]
+    grad = torch.randn(tokens, model_dim, device=device, generator=g).bfloat16()
+    results = {}
+    for fp8 in (True, False):
+        mlp = train_gpt.MLP(model_dim, torch.bfloat16, fp8).to(device).train()
+        with torch.no_grad():
+            mlp.c_fc.copy_(weights[0])
+            mlp.c_proj.copy_(weights[1])
+        train_gpt.refresh_down_scales([mlp.c_proj], [mlp.down_scale], [mlp.next_down_scale], bootstrap=True)
+        mlp(earlier)
+        xi = x.clone().requires_grad_()
+        out = mlp(xi)
+        out.backward(grad)
+        results[fp8] = (out, xi.grad, mlp.c_fc.grad, mlp.c_proj.grad)
+    expected = fp8_mlp_expected_errors()
+    errors = relative_errors(("out", "grad x", "grad w_up", "grad w_down"), results[True], results[False],
+                             [FP8_MLP_MARGIN * e for e in expected])
+    return (f"{tokens}x{model_dim} -> {4 * model_dim}: rel. error {errors} (predicted "
+            f"{', '.join(f'{e:.3f}' for e in expected)})")
 
 
 def cuda_ms(fn, repeats: int = 10) -> float:
@@ -195,6 +250,45 @@ def check_flex(device: torch.device, num_tokens: int, backward: bool, heads: int
     return (f"{num_tokens} tokens, {heads} heads, windows of {', '.join(map(str, sorted({w for w, _, _ in cases})))} tokens "
             f"(paired heads: {', '.join(map(str, paired))}) at scales {', '.join(f'{s:.4f}' for s in sorted({s for _, s, _ in cases}))}: "
             f"max relative error {worst:.1e}")
+
+
+def check_composition(device: torch.device, num_tokens: int, heads: int = 6, head_dim: int = 128) -> str:
+    """The composed attention correction in bf16 (eager: chunks of queries) against the same rule as dense float64
+    matrices: causal, within COMPOSITION_WINDOW keys, within documents (record-like tokens), QK-normed q and k at the
+    record's first scale. Allowance, per element: it rounds to bf16 only each head's weights (2^-8 of each, so of the
+    magnitude sum_j |gain a_j| |v_j|, a_j <= sum_h |mix_h| p_hj) and the output (2^-8 of it); the rest is float32 on
+    exact bf16 inputs, whose first-order bound (tests/test_composition.py) is twice gamma(D) of the logits' magnitude
+    (scale x D for QK-normed q and k: under 2e-4 at D = 128, scale 0.1), plus gamma(window) and a few u, of the
+    magnitude and output: COMPOSITION_FLOAT32_ERROR is well above it."""
+    g = torch.Generator(device).manual_seed(5)
+    tokens = record_like_tokens(num_tokens, device)
+    q, k = (train_gpt.norm(torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g)).bfloat16()
+            for _ in range(2))
+    y, v = (torch.randn(1, heads, num_tokens, head_dim, device=device, generator=g).bfloat16() for _ in range(2))
+    mix, gain = train_gpt.composition_weights(*torch.randn(2, 1, num_tokens, heads, device=device, generator=g),
+                                              torch.bfloat16)
+    scale = train_gpt.Hyperparameters().attention_scale
+    starts = train_gpt.document_starts(tokens)
+    out = train_gpt.composed_attention_correction(y, q, k, v, mix, gain, starts, scale)
+
+    positions, docs = torch.arange(num_tokens, device=device), (tokens == train_gpt.EOT_TOKEN).cumsum(0)
+    back = positions[:, None] - positions[None, :]
+    allowed = (back >= 0) & (back < train_gpt.COMPOSITION_WINDOW) & (docs[:, None] == docs[None, :])
+    q64, k64, v64, y64 = (t[0].double() for t in (q, k, v, y))
+    mix64, gain64 = (t[0].double().T[..., None] for t in (mix, gain))  # (H, T, 1)
+    probs = (scale * q64 @ k64.transpose(1, 2)).masked_fill(~allowed, float("-inf")).softmax(-1)
+    exact = y64 + gain64 * ((mix64 * probs).sum(0) @ v64)
+    magnitude = gain64.abs() * ((mix64.abs() * probs).sum(0) @ v64.abs())
+    allowance = (BF16_UNIT_ROUNDOFF + COMPOSITION_FLOAT32_ERROR) * (magnitude + exact.abs())
+    worst = float(((out[0].double() - exact).abs() / allowance).max())
+    if worst > 1:
+        raise AssertionError(f"an error {worst:.2f} times its allowance")
+    summary = (f"{num_tokens} tokens, {heads} heads x {head_dim}, bf16, window {train_gpt.COMPOSITION_WINDOW}: worst "
+               f"error {worst:.2f} of its allowance")
+    if device.type == "cuda":
+        ms = cuda_ms(lambda: train_gpt.composed_attention_correction(y, q, k, v, mix, gain, starts, scale))
+        summary += f"; {ms:.1f} ms eager"
+    return summary
 
 
 def check_training(device: torch.device, args: train_gpt.Hyperparameters, steps: int = 6, warmup: int = 2) -> str:
@@ -423,9 +517,11 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
     checks = [
         ("environment", lambda: check_environment(device)),
         ("fp8 matmul", lambda: check_fp8(device, *((max(record.seq_len), 768, 50304) if cuda else (128, 768, 1024)))),
+        ("fp8 mlp", lambda: check_fp8_mlp(device, max(record.seq_len) if cuda else 256, record.model_dim)),
         ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
                                             **({} if cuda else dict(heads=2, head_dim=32, stages=1)))),
         ("flex backward", lambda: check_flex(device, 4096, backward=True)),
+        ("composition", lambda: check_composition(device, *((4096,) if cuda else (1024, 2, 32)))),
         ("training steps", lambda: check_training(device, training)),
         ("all-reduce", lambda: check_allreduce(device)),
     ]

@@ -39,7 +39,7 @@ def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
-        # training's loss with the FP8 lm_head: its raw logits, log-sum-exps and the matmul's e4m3 operands saved
+        # training's loss with the FP8 lm_head: its sigmoids in bf16, log-sum-exps and the matmul's e4m3 operands saved
         train_gpt.SoftcappedLoss.apply(train_gpt.norm(x).view(T, -1), model.lm_head.weight, tokens[1:], torch.ones(1),
                                        model.logit_cap, model.logit_offset, train_gpt.LM_HEAD_FP8_SCALES).sum()
     return trunk, sum(storages.values()) - trunk
