@@ -843,7 +843,7 @@ def test_submit_then_list(runs, tmp_path, capsys):
     assert "This is the first record of this track." in readme
     assert f"mean final val loss: {np.mean(losses):.4f}" in readme
     assert f"{pvalue:.4g}" in readme
-    assert "--preset cpu" in readme and "--num_layers=4" in readme and "--run_id" not in readme
+    assert "--preset cpu" in readme and "--model_dim=64" in readme and "--run_id" not in readme
     # the command carries the memory settings the logs say the runs had (./run.sh's)
     huge_pages = "  huge pages: on" in p["base"].read_text()
     settings = "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736" + (" THP_MEM_ALLOC_ENABLE=1" if huge_pages else "")

@@ -41,8 +41,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLISHED_RECORD = ("2026-04-08 record (PairedHeadMuon) computes: val 3.2788 at step 1480 after 92.6 s of "
-                    "training on 8xH100, the means of its 8 published logs, unmeasured by us")
+PUBLISHED_RECORD = ("upstream modded-nanogpt HEAD (f411b3d3) computes: 1285 steps, 1.23 min on 8xH100 in the "
+                    "upstream README; no published log of that exact configuration (the nearest, the 2026-07-17 "
+                    "record's, logged val 3.2784 after 79.69 s of training, the means of its 13 logs, at 1390 steps); "
+                    "unmeasured by us")
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
