@@ -657,6 +657,12 @@ def save_checkpoint(trainer, stream, clock: TrainingClock, folder: CheckpointFol
     state = dict(step=step, model=trainer.model.state_dict(), optimizers=[o.state_dict() for o in trainer.optimizers],
                  data=stream.state_dict(), hyperparameters=dataclasses.asdict(trainer.args),
                  clock=dataclasses.asdict(clock))
+    scales = trainer.model.activation_scales()
+    if scales is not None:  # each rank's FP8 activation scales, its own state: a row a rank
+        rows = [torch.empty_like(scales) for _ in range(trainer.world_size)] if trainer.world_size > 1 else [scales]
+        if trainer.world_size > 1:
+            dist.all_gather(rows, scales)
+        state["activation_scales"] = torch.stack(rows).cpu()
     failure = None
     if trainer.rank == 0:
         try:

@@ -1454,6 +1454,13 @@ class GPT(nn.Module):
         refresh = compiled_on_first_use(refresh_down_scales) if mlps[0].c_proj.is_cuda else refresh_down_scales
         refresh([m.c_proj for m in mlps], [m.down_scale for m in mlps], [m.next_down_scale for m in mlps], bootstrap)
 
+    def activation_scales(self) -> Tensor | None:
+        """The FP8 MLPs' activation scales, (layers,), or None without FP8 MLPs: each rank's own, from its last forward
+        (as HEAD's ranks keep theirs), so a checkpoint holds every rank's (support.save_checkpoint)."""
+        if not self.blocks[0].mlp.fp8:
+            return None
+        return torch.stack([block.mlp.act_scale for block in self.blocks])
+
     def smear(self, e: Tensor, before: Tensor | None = None, restarts: Tensor | None = None) -> Tensor:
         """Token embeddings e (T, D) with a gated share of each one's predecessor added (the 2025-09-18 record's
         smear): e_t + lambda sigmoid(w . e_t[:12]) e_(t-1), across documents; the first token keeps its own, unless
@@ -2479,6 +2486,11 @@ def restore_checkpoint(state: dict, trainer: Trainer) -> tuple[int, dict]:
     """Restores the model and optimizers in place (main restores the data stream before the log exists);
     returns the step and the training clock to continue from."""
     trainer.model.load_state_dict(state["model"])
+    scales = state.get("activation_scales")  # every rank's, (ranks, layers); the model's are rank 0's
+    if scales is not None and scales.size(0) == trainer.world_size:
+        with torch.no_grad():
+            for block, scale in zip(trainer.model.blocks, scales[trainer.rank]):
+                block.mlp.act_scale.copy_(scale)
     for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
     trainer.window = replay_windows(trainer.model, state["step"], trainer.args)

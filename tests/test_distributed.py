@@ -327,6 +327,27 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
     assert {s: v for s, v in one_process.val_losses().items() if s >= 4} == resumed.val_losses()
 
 
+def test_each_ranks_fp8_activation_scales_resume_with_it(tiny_shards, tmp_path):
+    """With FP8 MLPs each rank scales its activations by the amax of its own last forward (as HEAD's ranks do), so
+    the ranks' scales differ; a checkpoint holds each rank's, and two processes resumed at step 18, after the delayed
+    scaling took over from the bootstrap, end exactly as the run that went on."""
+    def run(name, *extra):
+        args = train_args(tmp_path / name, 4, *tiny_shards, *extra, iterations=20, val_every=5)
+        return launch(tmp_path / name, torchrun(2), HELPERS, args, mode="fp8")
+
+    whole = run("whole", "--checkpoint_every=18")
+    assert "fp8 lm_head and MLPs: on (faked on CPU)" in whole.log
+    halfway = tmp_path / "whole" / "ckpt" / "run" / "step_000018.pt"
+    state = torch.load(halfway, map_location="cpu", weights_only=True)
+    scales = state["activation_scales"]
+    assert scales.shape == (2, 4) and not torch.equal(scales[0], scales[1]) and (scales != 1).all()
+    assert torch.equal(scales[0], torch.stack([state["model"][f"blocks.{i}.mlp.act_scale"] for i in range(4)]))
+    resumed = run("resumed", f"--resume={halfway}")
+    pa, pb = whole.params(), resumed.params()
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert {s: v for s, v in whole.val_losses().items() if s > 18} == resumed.val_losses()
+
+
 def test_a_failing_rank_brings_the_job_down(tiny_shards, tmp_path):
     """Rank 1 raises instead of its 3rd gradient all-reduce while rank 0 waits in it: torchrun must stop both."""
     run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 2, *tiny_shards), mode="fail", check=False)
