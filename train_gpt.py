@@ -914,7 +914,10 @@ class ReluSquaredMLP(torch.autograd.Function):
         x, w_up, w_down, post = ctx.saved_tensors
         g, post = grad_out.flatten(0, -2), post.flatten(0, -2)
         grad_pre = relu_squared_backward(g @ w_down.T, post)
-        return (grad_pre @ w_up).view(x.shape), grad_pre.T @ x.flatten(0, -2), post.T @ g, None, None
+        # The weights' gradients as products with a batch of one, as the records' (their stream is (1, T, D)): CPU
+        # kernels sum a long batched product otherwise than a plain one.
+        grad_up, grad_down = ((a.T @ b[None])[0] for a, b in ((grad_pre, x.flatten(0, -2)), (post, g)))
+        return (grad_pre @ w_up).view(x.shape), grad_up, grad_down, None, None
 
 
 class MLP(nn.Module):
