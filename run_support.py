@@ -659,8 +659,9 @@ def save_checkpoint(trainer, stream, clock: TrainingClock, folder: CheckpointFol
                  clock=dataclasses.asdict(clock))
     scales = trainer.model.activation_scales()
     if scales is not None:  # each rank's FP8 activation scales, its own state: a row a rank
-        rows = [torch.empty_like(scales) for _ in range(trainer.world_size)] if trainer.world_size > 1 else [scales]
+        rows = [scales]
         if trainer.world_size > 1:
+            rows = [torch.empty_like(scales) for _ in range(trainer.world_size)]
             dist.all_gather(rows, scales)
         state["activation_scales"] = torch.stack(rows).cpu()
     failure = None

@@ -1818,7 +1818,7 @@ class Hyperparameters:
     num_heads: int = 6  # attention heads
     head_dim: int = 128  # dims per head; rotary uses half of them
     model_dim: int = 768  # residual stream width
-    backout_layer: int = 7  # subtract a learned share of the residual stream after this layer before the lm_head (records from 2025-10-04); the layers after it attend over that stream (from 2026-03-06); -1: none
+    backout_layer: int = 7  # the layers after it attend over the stream it leaves (records from 2026-03-06), which the dense connections mix into the last layer and the final stream (from 2026-04-22); between the skip's source and the last layer
     paired_head_layers: str = "0,2,5,9"  # layers (comma-separated) whose heads attend in pairs over a sequence twice as long (records from 2026-01-07); none
     xsa_layers: str = "1,3,4,7"  # layers (comma-separated) whose heads take out a gated share of their output along their own value (XSA, records from 2026-04-29); none
     logit_cap: float = LOGIT_SOFTCAP  # logits = cap sigmoid((z + offset) / 7.5) (records from 2025-12-26; 30 and 0 before)
