@@ -18,6 +18,11 @@ from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported  # noqa: E4
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# pytest.ini runs the suite in two worker processes (pytest-xdist), one test file at a time each: a thread each, so
+# that the two share the cores instead of contending for them (the tiny models' ops gain little from a second).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # FlexAttention's compiled CPU kernel needs AVX2 and a vectorized ATen (ATEN_CPU_CAPABILITY other than default):
 # torch's own test of the platform decides, as in tools/gpu_check.py.
 needs_flex_on_cpu = pytest.mark.skipif(not check_cpu_supported(), reason="FlexAttention's compiled CPU kernel needs "
