@@ -177,10 +177,10 @@ CYCLE_STEPS = 24  # Adam steps every second one, and the tied embedding follows 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """A 4-layer model (the cpu preset's structure: value embeddings, the skip into the attention-free layer, the
-    backout, paired heads, XSA, the gate networks and dense connections) trained CYCLE_STEPS steps, with
+    backout, paired heads, XSA, the gate networks and dense connections) trained CYCLE_STEPS steps, eager, with
     FAST_ADAM_LRS and windows of 2 blocks (long) and 1 (short), validated at the end with 3 and 1 (its
     rotary rescaled from 2 to 3); returns (checkpoint path, successor table, the run's result). For
-    test_sample.py and test_evaluate.py: one run a session."""
+    test_sample.py and test_evaluate.py: one run a session (a worker). test_train_loop compiles training."""
     import train_gpt
 
     folder = tmp_path_factory.mktemp("cycle")
@@ -191,6 +191,7 @@ def trained(tmp_path_factory):
         "--preset=cpu", *TINY_FORMS, "--num_layers=4", "--model_dim=64", "--num_heads=2", "--head_dim=32", "--seq_len=256",
         "--val_seq_len=256", "--val_tokens=512", "--batch_slots=1", "--dtype=float32", f"--num_iterations={CYCLE_STEPS}",
         "--window_stages=2", "--final_window=3", "--window_unit=128", "--yarn=true", "--cooldown_frac=0.6", *FAST_ADAM_LRS, "--save_checkpoint",
+        "--compile=false",
         f"--train_files={folder}/cycle_train_*.bin",
         f"--val_files={folder}/cycle_val_*.bin", f"--log_dir={folder / 'logs'}", f"--checkpoint_dir={folder / 'ckpt'}",
         "--run_id=cycle"])

@@ -12,8 +12,9 @@ MODE is one of:
           to $DIST_HELPERS_OUT/rank<R>.json, with Muon's rounds and each step's all-gathers (elements sent and
           received, bytes an element); each step's gradients, as each backward made them and as
           reduced, go to rank<R>_grads.pt (copied outside the counted hooks).
-  fp8     FP8 faked on CPU (fp8_supported answers yes; the CPU's FP8 paths compute the GPU's math): the lm_head and the
-          MLPs train through e4m3 copies, each rank's MLP activation scales its own.
+  fp8     FP8 faked on CPU (fp8_supported answers yes; the CPU's FP8 paths compute the GPU's math): the MLPs train
+          through e4m3 copies, each rank's activation scales its own. The lm_head's FP8 is left out: its fixed scales
+          hold no state, and CPU _scaled_mm (oneDNN's reference kernel) takes seconds a micro-batch.
   fail    train_gpt.py runs as __main__ (its own error handling), but rank 1 raises
           RuntimeError("injected failure on rank 1") instead of its 3rd gradient-bucket all-reduce.
 
@@ -156,6 +157,13 @@ def main():
         torch.save(dict(backward=buckets.backward_grads, reduced=buckets.reduced_grads), out / f"rank{RANK}_grads.pt")
     elif mode == "fp8":
         train_gpt.fp8_supported = lambda device: (True, "faked on CPU")
+        build_model = train_gpt.build_model
+
+        def mlps_in_fp8(*args, **kwargs):
+            model = build_model(*args, **kwargs)
+            model.fp8_scales = None
+            return model
+        train_gpt.build_model = mlps_in_fp8
         run_train_gpt(argv)
     elif mode == "fail":
         fail_in_third_bucket_all_reduce()

@@ -136,8 +136,16 @@ def one_process(tiny_shards, tmp_path_factory) -> Run:
     return run
 
 
-def test_two_processes_train_like_one(one_process, tiny_shards, tmp_path):
-    two = launch(tmp_path, torchrun(2), TRAIN_GPT, train_args(tmp_path, 2, *tiny_shards))
+@pytest.fixture(scope="module")
+def two_processes(tiny_shards, tmp_path_factory) -> Run:
+    """The same run on two processes, one micro-step each, with a checkpoint at step 4 (a checkpoint changes nothing
+    a run computes: the run must still equal one_process)."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    return launch(tmp, torchrun(2), TRAIN_GPT, train_args(tmp, 2, *tiny_shards, "--checkpoint_every=4"))
+
+
+def test_two_processes_train_like_one(one_process, two_processes):
+    two = two_processes
     log = two.log  # exactly one log: rank 1 writes none
     assert log.startswith(TRAIN_GPT.read_text())
     assert "hardware: 2x CPU" in log
@@ -173,19 +181,30 @@ def test_without_gradient_sync_the_comparison_fails(one_process, tiny_shards, tm
     print("sync off: max |d val loss| {:.1e}, max |d param| {:.1e}".format(*max_differences(one_process, nosync)))
 
 
-def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards, tmp_path):
+RECORDED = ["--bucket_mb=0.2", "--model_dim=96", "--head_dim=48"]  # no Muon matrix shaped as an Adam tensor
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_shards, tmp_path_factory) -> tuple[Run, Path]:
+    """4 slots on 2 ranks (2 micro-steps per step), small buckets, every all-reduce launch recorded (dist_helpers'
+    record mode): the run and the folder of its records."""
+    tmp = tmp_path_factory.mktemp("recorded")
+    run = launch(tmp, torchrun(2), HELPERS, train_args(tmp, 4, *tiny_shards, *RECORDED), mode="record",
+                 extra_env=dict(DIST_HELPERS_OUT=str(tmp / "events")))
+    return run, tmp / "events"
+
+
+def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(recorded):
     """4 slots on 2 ranks: 2 micro-steps per step. Small buckets, several holding more than one tensor. Adam's buckets
     (deferred) are reduced on its steps alone, the odd ones; the embedding's own bucket only on those after the untie
     (tied, its gradient joins the lm_head's)."""
-    out = tmp_path / "events"
-    run = launch(tmp_path, torchrun(2), HELPERS, train_args(tmp_path, 4, *tiny_shards, "--bucket_mb=0.2"),
-                 mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
+    run, out = recorded
     log = run.log
     assert "batch: 4 sequences x 128 tokens per step = 2 ranks x 2 micro-steps" in log
     num_buckets = int(re.search(r"distributed: world size 2, backend gloo, (\d+) gradient buckets of \[", log)[1])
     assert num_buckets >= 3
     # every launch, as each rank saw it
-    lm_head = [train_gpt.next_multiple(TINY_VOCAB, 128), 64]
+    lm_head = [train_gpt.next_multiple(TINY_VOCAB, 128), 96]
     for rank in (0, 1):
         [record] = json.loads((out / f"rank{rank}.json").read_text())
         deferred = record["deferred"]
@@ -221,19 +240,16 @@ def test_each_bucket_is_reduced_once_per_step_on_the_last_micro_step(tiny_shards
     assert int(counted[3]) == ITERATIONS
 
 
-def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(tiny_shards, tmp_path):
+def test_adam_every_second_step_reduces_its_gradients_on_that_step_alone(recorded, tiny_shards, tmp_path):
     """ADAM_EVERY = 2 (the records from 2025-09-30): Adam steps on the odd steps, on two steps' summed gradients. On 2
     ranks x 2 micro-steps, Muon's buckets are reduced on every step and Adam's (the lm_head, the embeddings, the
     scalars; no bucket mixes the two) on the odd steps' last micro-step alone, once. Muon
     all-gathers its updates a round at a time, the same on every step. The run equals one process's."""
-    extra = ["--bucket_mb=0.2", "--model_dim=96", "--head_dim=48"]  # no Muon matrix shaped as an Adam tensor
-    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, *extra))
-    out = tmp_path / "events"
-    two = launch(tmp_path / "two", torchrun(2), HELPERS, train_args(tmp_path / "two", 4, *tiny_shards, *extra),
-                 mode="record", extra_env=dict(DIST_HELPERS_OUT=str(out)))
+    one = launch(tmp_path / "one", [sys.executable], TRAIN_GPT, train_args(tmp_path / "one", 4, *tiny_shards, *RECORDED))
+    two, out = recorded
     assert_runs_agree(one, two)
     padded = train_gpt.next_multiple(TINY_VOCAB, 128)
-    args = train_gpt.parse_args([*TINY_RUN, *extra], "cpu")[0]
+    args = train_gpt.parse_args([*TINY_RUN, *RECORDED], "cpu")[0]
     adam, muon = train_gpt.build_optimizers(train_gpt.build_model(args, 128), args)
     adam_shapes, muon_shapes = ({tuple(p.shape) for group in o.param_groups for p in group["params"]} for o in (adam, muon))
     assert not adam_shapes & muon_shapes  # a bucket's shapes tell whose it is
@@ -310,13 +326,12 @@ def test_buckets_copy_no_gradient_bytes(tiny_shards, tmp_path):
     assert orders_differ
 
 
-def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_process, tiny_shards, tmp_path):
+def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_process, two_processes, tiny_shards,
+                                                                          tmp_path):
     """Muon's ranks keep only their own matrices' momentum; a checkpoint gathers it all, so two processes
     saved at step 4 and one process resuming there end exactly as one process all along."""
-    two = launch(tmp_path / "two", torchrun(2), TRAIN_GPT,
-                 train_args(tmp_path / "two", 2, *tiny_shards, "--checkpoint_every=4"))
-    assert "distributed: world size 2, backend gloo" in two.log
-    halfway = tmp_path / "two" / "ckpt" / "run" / "step_000004.pt"
+    assert "distributed: world size 2, backend gloo" in two_processes.log
+    halfway = two_processes.checkpoint.with_name("step_000004.pt")
     momentum = torch.load(halfway, map_location="cpu", weights_only=True)["optimizers"][1]["state"]
     muon_params = [n for n, p in one_process.params().items() if p.ndim >= 2 and n.startswith("blocks.") and "gate" not in n]
     assert len(momentum) == len(muon_params)
@@ -328,9 +343,9 @@ def test_a_two_process_checkpoint_resumes_in_one_process_to_the_same_bits(one_pr
 
 
 def test_each_ranks_fp8_activation_scales_resume_with_it(tiny_shards, tmp_path):
-    """With FP8 MLPs each rank scales its activations by the amax of its own last forward (as HEAD's ranks do), so
-    the ranks' scales differ; a checkpoint holds each rank's, and two processes resumed at step 18, after the delayed
-    scaling took over from the bootstrap, end exactly as the run that went on."""
+    """With FP8 MLPs (the lm_head's left out: dist_helpers) each rank scales its activations by the amax of its own
+    last forward (as HEAD's ranks do), so the ranks' scales differ; a checkpoint holds each rank's, and two processes
+    resumed at step 18, after the delayed scaling took over from the bootstrap, end exactly as the run that went on."""
     def run(name, *extra):
         args = train_args(tmp_path / name, 4, *tiny_shards, *extra, iterations=20, val_every=5)
         return launch(tmp_path / name, torchrun(2), HELPERS, args, mode="fp8")

@@ -518,7 +518,7 @@ def run_checks(device: torch.device) -> list[tuple[str, str, str]]:
     training = dataclasses.replace(record, seq_len=(CHECK_SEQ_LEN,), batch_slots=1, num_iterations=100, warmup_steps=0)
     checks = [
         ("environment", lambda: check_environment(device)),
-        ("fp8 matmul", lambda: check_fp8(device, *((max(record.seq_len), 768, 50304) if cuda else (128, 768, 1024)))),
+        ("fp8 matmul", lambda: check_fp8(device, *((max(record.seq_len), 768, 50304) if cuda else (64, 768, 512)))),
         ("fp8 mlp", lambda: check_fp8_mlp(device, max(record.seq_len) if cuda else 256, record.model_dim)),
         ("flex forward", lambda: check_flex(device, 4096 if cuda else 1024, backward=False,
                                             **({} if cuda else dict(heads=2, head_dim=32, stages=1)))),
