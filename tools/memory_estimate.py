@@ -1,16 +1,19 @@
-"""Estimate the training memory of a preset's model per GPU from what it saves for backward on CPU.
+"""Estimate the training memory of a preset's model per GPU from what it saves for backward.
 
     python tools/memory_estimate.py                          # the record model at each batch stage's seq_len
     python tools/memory_estimate.py --seq_lens 32768 8192
 
-Runs the forward in eager mode on CPU with bf16 activations at two sequence lengths and counts the
-bytes autograd saves (parameters excluded); the difference gives the bytes per token, the rest the
-weight copies cast to bf16. Add parameters, gradients and optimizer states, and the gradient of the
-logits that backward makes: float32, then its e5m2 copy (the record's FP8 lm_head, which the CPU runs too). An estimate: on GPU, torch.compile recomputes cheap operations
-instead of saving them, and the allocator's caching and fragmentation come on top.
+Runs the training forward on fake tensors (torch's FakeTensorMode: shapes and dtypes, no arithmetic), with
+bf16 activations and the FP8 lm_head and MLPs as on an H100, at two sequence lengths, and counts the bytes
+autograd saves (parameters excluded); the difference gives the bytes per token, the rest the weight copies
+cast to bf16. Add parameters, gradients and optimizer states, and the gradient of the logits that backward
+makes: float32, then its e5m2 copy. An estimate: on GPU, torch.compile recomputes cheap operations instead
+of saving them, FlexAttention saves no mask (here the CPU's dense ones), and the allocator's caching and
+fragmentation come on top.
 """
 
 import argparse
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -18,31 +21,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 import train_gpt
 
 GIB = 2**30
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """The address of t's storage object, which its views share: a fake tensor's storage has no data pointer."""
+    return t.untyped_storage()._cdata
+
+
 def saved_bytes(model: train_gpt.GPT, window: int, T: int) -> tuple[int, int]:
-    """Bytes saved for backward by (the trunk, the logits and loss) for one sequence of T tokens, with a
-    long window of window units (one of the model's; the dense masks' size does not depend on it)."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Bytes saved for backward by (the trunk, the logits and loss) for one sequence of T tokens, with a long window
+    of window units (one of the model's; the dense masks' size does not depend on it). Under a FakeTensorMode for a
+    fake model (fake_copy), nothing is computed."""
+    parameters = {storage_id(p) for p in model.parameters()}
     storages = {}
 
     def pack(t):
-        if t.untyped_storage().data_ptr() not in parameters:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if storage_id(t) not in parameters:
+            storages[storage_id(t)] = t.untyped_storage().nbytes()
         return t
 
-    tokens = torch.randint(0, train_gpt.EOT_TOKEN, (T + 1,))
+    tokens = torch.randint(0, min(train_gpt.EOT_TOKEN, model.lm_head.weight.size(0)), (T + 1,))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x = model.trunk(tokens[:-1], window)
         trunk = sum(storages.values())
-        # training's loss with the FP8 lm_head: its sigmoids in bf16, log-sum-exps and the matmul's e4m3 operands saved
+        # training's loss: its sigmoids in bf16, log-sum-exps and, with the FP8 lm_head, the matmul's e4m3 operands saved
         train_gpt.SoftcappedLoss.apply(train_gpt.norm(x).view(T, -1), model.lm_head.weight, tokens[1:], torch.ones(1),
-                                       model.logit_cap, model.logit_offset, train_gpt.LM_HEAD_FP8_SCALES).sum()
+                                       model.logit_cap, model.logit_offset, model.fp8_scales).sum()
     return trunk, sum(storages.values()) - trunk
+
+
+def fake_copy(model: train_gpt.GPT) -> tuple[train_gpt.GPT, FakeTensorMode]:
+    """model with fake parameters and buffers, and the mode to run it under: a CPU would take hours over the record
+    model's FP8 products (oneDNN's reference kernel)."""
+    mode = FakeTensorMode()
+    with FakeCopyMode(mode):
+        return copy.deepcopy(model), mode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     hp = train_gpt.Hyperparameters(**train_gpt.PRESETS[args.preset])
     torch.manual_seed(0)
     plan = train_gpt.plan_device(dataclasses.replace(hp, dtype="bfloat16"), torch.device("cpu"))  # bf16 embeddings
-    model = train_gpt.build_model(hp, 384, plan)
-    short, long = (saved_bytes(model, hp.final_window, T) for T in (128, 384))
+    model = train_gpt.build_model(hp, 384, dataclasses.replace(plan, fp8=True))  # in training mode, as on an H100
+    fake, mode = fake_copy(model)
+    with mode:
+        short, long = (saved_bytes(fake, hp.final_window, T) for T in (128, 384))
     per_token = [(b - a) / (384 - 128) for a, b in zip(short, long)]
     casts = sum(short) - 128 * sum(per_token)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
