@@ -23,6 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+SHARE_THE_CYCLE_MODEL = ("test_sample.py", "test_evaluate.py")  # one worker trains it (the trained fixture) for both
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (pytest.ini): a worker runs a test file at a time, its module fixtures made once; the files of
+    SHARE_THE_CYCLE_MODEL go to one worker together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharingTheCycleModel(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "cycle model" if Path(scope).name in SHARE_THE_CYCLE_MODEL else scope
+
+    return SharingTheCycleModel(config, log)
+
+
 # FlexAttention's compiled CPU kernel needs AVX2 and a vectorized ATen (ATEN_CPU_CAPABILITY other than default):
 # torch's own test of the platform decides, as in tools/gpu_check.py.
 needs_flex_on_cpu = pytest.mark.skipif(not check_cpu_supported(), reason="FlexAttention's compiled CPU kernel needs "

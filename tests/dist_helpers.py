@@ -161,6 +161,7 @@ def main():
 
         def mlps_in_fp8(*args, **kwargs):
             model = build_model(*args, **kwargs)
+            assert model.fp8_scales is not None and all(block.mlp.fp8 for block in model.blocks)  # the plan's FP8
             model.fp8_scales = None
             return model
         train_gpt.build_model = mlps_in_fp8

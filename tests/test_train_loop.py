@@ -944,7 +944,7 @@ def test_allocator_setting_is_made_unless_the_user_made_one():
 @pytest.mark.numerics
 def test_compiled_training_on_cpu_learns_as_eager_does_and_repeats_to_the_bit(tiny_shards, tmp_path, monkeypatch):
     """The cpu preset compiles the model (inductor's C++ kernels, the softcapped loss inside the graph): it
-    learns as eager does and gives the same bits when run again. Inductor's CPU kernels add embedding
+    learns as eager does, through a window change at the final validation, and gives the same bits when run again. Inductor's CPU kernels add embedding
     gradients with atomics unless deterministic algorithms are on; the Trainer switches them on, so they
     start off here. main() settles MKL's vector math before its first matmul. Compiled and eager runs part
     after the first update (Adam's eps makes whole steps of last-bit differences in near-zero gradients),
@@ -963,8 +963,9 @@ def test_compiled_training_on_cpu_learns_as_eager_does_and_repeats_to_the_bit(ti
 
     for module, name in ((train_gpt, "settle_vector_math"), (train_gpt.support, "matmul_peak")):
         monkeypatch.setattr(module, name, recorded(module, name))
-    # One window: each training shape compiles its own graphs, and the three of multi-token prediction suffice here.
-    common = ["--num_iterations=24", "--val_loss_every=24", "--window_stages=4", "--final_window=4"]
+    # One training window (each shape compiles its own graphs; the three of multi-token prediction suffice here), and a
+    # wider one at the final validation: its rotary rescaled (YaRN), as a window change rescales it in training.
+    common = ["--num_iterations=24", "--val_loss_every=24", "--window_stages=4", "--final_window=6"]
     eager = run(tiny_shards, tmp_path, *common, run_id="eager")
     assert calls[:2] == ["settle_vector_math", "matmul_peak"]
     compiled = run(tiny_shards, tmp_path, *common, "--compile=true", run_id="compiled")
