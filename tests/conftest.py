@@ -198,7 +198,8 @@ def trained(tmp_path_factory):
     backout, paired heads, XSA, the gate networks and dense connections) trained CYCLE_STEPS steps, eager, with
     FAST_ADAM_LRS and windows of 2 blocks (long) and 1 (short), validated at the end with 3 and 1 (its
     rotary rescaled from 2 to 3); returns (checkpoint path, successor table, the run's result). For
-    test_sample.py and test_evaluate.py: one run a session (a worker). test_train_loop compiles training."""
+    test_sample.py and test_evaluate.py: one run a session (pytest_xdist_make_scheduler keeps them on one worker);
+    test_train_loop's compiled test covers compiled training."""
     import train_gpt
 
     folder = tmp_path_factory.mktemp("cycle")
